@@ -1,0 +1,126 @@
+r"""SAO on the embedded default model and task: every default of sao_jax lives here.
+
+Run (the README's main job):
+
+  python -m sao_jax.show_config --config=configs/default.py
+
+Baselines of the paper (SAO.md §3) are selected with the recipe argument, which
+applies their presets (sampling, advantage estimator, policy loss, clip widths):
+
+  --config=configs/default.py:algorithm=grpo        # vanilla GRPO, clip-higher
+  --config=configs/default.py:algorithm=grpo_dis    # GRPO groups + DIS
+  --config=configs/default.py:algorithm=vapo        # 1 rollout, GAE critic, PPO
+  --config=configs/default.py:algorithm=running_mean
+  --config=configs/default.py:algorithm=ppo         # fixed-lambda GAE, PPO clip
+
+Any value can then be overridden, e.g. `--config.critic.steps_per_policy_step=1`.
+Paper symbols are named next to each field.
+"""
+
+import ml_collections
+
+from sao_jax import config_lib
+
+
+def get_config(arg=None):
+  """Returns the default config; `arg` is "algorithm=<name>[,seed=<n>]"."""
+  arg = config_lib.parse_arg(arg, algorithm='sao', seed=0)
+  c = ml_collections.ConfigDict()
+  c.algorithm = arg.algorithm  # sao | grpo | grpo_dis | vapo | running_mean | ppo
+  c.seed = arg.seed
+
+  c.model = ml_collections.ConfigDict()
+  c.model.source = 'smollm2-135m-instruct'  # or a Hugging Face checkpoint dir
+  c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
+  c.model.param_dtype = 'float32'
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = 'chain_sum'  # reasoning-gym task for the demo
+
+  c.batch_size = 32  # B: trajectories per policy step (prompts x G)
+  c.group_size = 1  # G: samples per prompt; 1 is SAO's single rollout
+
+  # Policy loss. DIS: ratio_t = exp(logp_t - mu_t) against the rollout
+  # engine's logprob mu_t; tokens outside (1 - eps_low, 1 + eps_high) get no
+  # gradient (SAO.md §1.2). PPO: clip against a recomputed old policy.
+  c.policy_loss = ml_collections.ConfigDict()
+  c.policy_loss.name = 'dis'  # dis | ppo
+  c.policy_loss.eps_low = 0.3  # epsilon_low (paper, math: 0.3; coding: 0.8)
+  c.policy_loss.eps_high = 5.0  # epsilon_high (paper, math: 5.0; coding: 3.0)
+  c.policy_loss.dual_clip = 0.0  # PPO dual-clip c > 1; 0 disables it
+  c.policy_loss.aggregation = 'token_mean'  # token_mean | seq_mean_token_mean
+  c.policy_loss.kl_coef = 0.0  # beta of a k3 KL(mu || pi) penalty; off in SAO
+  c.policy_loss.entropy_coef = 0.0  # entropy bonus; off in SAO
+
+  # Advantage A_t. Skip-observation GAE runs over action tokens only
+  # (SAO.md §1.4) with the length-adaptive lambda_policy = 1 - 1/(alpha l).
+  c.advantage = ml_collections.ConfigDict()
+  c.advantage.estimator = 'skip_observation_gae'  # | grpo | dr_grpo | running_mean
+  c.advantage.gamma = 1.0  # gamma
+  c.advantage.adaptive_lambda = True  # lambda_policy = 1 - 1/(alpha * l)
+  c.advantage.alpha = 1.5  # alpha of the length-adaptive lambda
+  c.advantage.lam = 0.95  # lambda_policy when adaptive_lambda is False
+  c.advantage.normalize = False  # whiten A over the batch's action tokens
+  c.advantage.running_mean_window = 8  # W (paper: 8 per prompt, 128 global)
+  c.advantage.running_mean_scope = 'prompt'  # prompt | global
+
+  # Critic V_phi: same backbone, scalar head, trained K times per policy step.
+  c.critic = ml_collections.ConfigDict()
+  c.critic.steps_per_policy_step = 2  # K (paper: 2)
+  c.critic.frozen_attention = True  # attention parameters not trained in RL
+  c.critic.lam = 1.0  # lambda_critic: Monte-Carlo returns
+  c.critic.value_clip = 0.0  # PPO value clip width; 0 disables it
+  c.critic.pretrain_steps = 50  # value pretraining budget (steps) before RL
+  c.critic.pretrain_patience = 5  # stop early after this many steps without
+  c.critic.pretrain_min_delta = 0.01  # ... this much explained-variance gain
+
+  # Optimisers (AdamW). Paper: actor 1e-6, critic 5e-6 (5x), 10-step warm-up;
+  # these defaults are sized for the 135M demo model.
+  c.optim = ml_collections.ConfigDict()
+  for role, lr in (('actor', 1e-6), ('critic', 5e-6)):
+    o = ml_collections.ConfigDict()
+    o.learning_rate = lr
+    o.warmup_steps = 10
+    o.grad_clip_norm = 1.0
+    o.b1 = 0.9
+    o.b2 = 0.999
+    o.weight_decay = 0.0
+    c.optim[role] = o
+
+  # Device mesh: data x fsdp x tensor; -1 takes the devices the others leave.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+  # Asynchrony (SAO.md §2).
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.max_staleness = 2  # learner_version - oldest token version bound
+  c.rollout.sync_every = 1  # push weights to servers every N policy steps
+
+  _apply_algorithm_presets(c)
+  return c
+
+
+def _apply_algorithm_presets(c):
+  """Sampling, estimator and loss of the paper's baselines (SAO.md §3)."""
+  if c.algorithm not in config_lib.ALGORITHMS:
+    raise config_lib.ConfigError(
+        f'unknown algorithm {c.algorithm!r}; expected one of'
+        f' {", ".join(config_lib.ALGORITHMS)}')
+  if c.algorithm in ('grpo', 'grpo_dis'):
+    c.group_size = 8  # G (paper: 16 prompts x 8)
+    c.advantage.estimator = 'grpo'
+  if c.algorithm == 'running_mean':
+    c.advantage.estimator = 'running_mean'
+  if c.algorithm in ('grpo', 'vapo', 'ppo'):
+    c.policy_loss.name = 'ppo'
+    c.policy_loss.eps_low = 0.2
+    # Clip-higher (DAPO, VAPO) for the LLM baselines; symmetric for plain PPO.
+    c.policy_loss.eps_high = 0.2 if c.algorithm == 'ppo' else 0.28
+  if c.algorithm in ('vapo', 'ppo'):
+    # Vanilla critics: one update per policy step, attention trained too.
+    c.critic.steps_per_policy_step = 1
+    c.critic.frozen_attention = False
+  if c.algorithm == 'ppo':
+    # Classic PPO: fixed lambda for actor and critic, no value pretraining.
+    c.advantage.adaptive_lambda = False
+    c.critic.lam = c.advantage.lam
+    c.critic.pretrain_steps = 0

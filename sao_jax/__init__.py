@@ -1,0 +1,1 @@
+"""sao_jax: Single-rollout Asynchronous Optimization (SAO) in JAX."""

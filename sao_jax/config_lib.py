@@ -1,0 +1,372 @@
+"""Configs: `get_config(arg)` shorthands, loading, validation, one-line errors.
+
+Every recipe in `configs/` is a Python file with `get_config(arg=None)` returning
+an `ml_collections.ConfigDict`. Entry points take it with absl flags,
+big_vision style:
+
+  python -m sao_jax.show_config --config=configs/default.py:algorithm=grpo \
+      --config.policy_loss.eps_low=0.2
+
+The config is locked, so an override of a key that does not exist fails, and
+`validate` turns inconsistent settings into one error line naming the keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import jax
+import ml_collections
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from sao_jax import losses
+from sao_jax import sharding
+
+# Algorithm name -> the advantage estimator and policy loss it is made of, and
+# whether it trains a critic. `validate` checks a config against this table;
+# the recipe files apply the matching presets (SAO.md §3).
+ALGORITHMS = {
+    'sao': dict(estimator='skip_observation_gae', loss='dis', critic=True),
+    'grpo': dict(estimator='grpo', loss='ppo', critic=False),
+    'grpo_dis': dict(estimator='grpo', loss='dis', critic=False),
+    'vapo': dict(estimator='skip_observation_gae', loss='ppo', critic=True),
+    'running_mean': dict(estimator='running_mean', loss='dis', critic=False),
+    'ppo': dict(estimator='skip_observation_gae', loss='ppo', critic=True),
+}
+ESTIMATORS = ('skip_observation_gae', 'grpo', 'dr_grpo', 'running_mean')
+POLICY_LOSSES = ('dis', 'ppo')
+RUNNING_MEAN_SCOPES = ('prompt', 'global')
+DTYPES = ('float32', 'bfloat16')
+
+
+class ConfigError(ValueError):
+  """An invalid configuration; the message is one line naming the keys."""
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses a `get_config` argument `"k1=v1,k2=v2"` against typed defaults.
+
+  Each value is converted to the type of its default (bool accepts
+  true/false/1/0). An unknown key fails with the known ones listed.
+
+  Args:
+    arg: the text after the colon in `--config=file.py:arg`, or None.
+    **defaults: every accepted key with its default value.
+
+  Returns:
+    A ConfigDict of all keys, overridden where `arg` says so.
+  """
+  values = dict(defaults)
+  for item in filter(None, (arg or '').split(',')):
+    key, sep, text = item.partition('=')
+    key = key.strip()
+    if not sep:
+      raise ConfigError(f'config argument {item!r} is not key=value')
+    if key not in defaults:
+      raise ConfigError(f'unknown config argument {key!r}{_did_you_mean(key, defaults)};'
+                        f' known: {", ".join(sorted(defaults))}')
+    values[key] = _convert(key, text.strip(), defaults[key])
+  return ml_collections.ConfigDict(values)
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """Loads `path.py[:arg]` the way the `--config` flag does (for tests, tools)."""
+  path, _, arg = spec.partition(':')
+  module = load_module(path)
+  return module.get_config(arg or None)
+
+
+def load_module(path: str):
+  """Imports a config file by path (recipes use it to extend a sibling)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f'config file {path!r} does not exist')
+  name = 'sao_jax_config_' + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def sibling(config_file: str, name: str) -> str:
+  """Path of config file `name` next to `config_file` (usually `__file__`)."""
+  return os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
+
+
+def validate(config: ml_collections.ConfigDict,
+             num_devices: int | None = None) -> dict[str, int]:
+  """Checks a config for inconsistent settings; raises one `ConfigError`.
+
+  Args:
+    config: a full sao_jax config.
+    num_devices: devices the mesh must cover; defaults to `jax.device_count()`.
+
+  Returns:
+    The resolved mesh axis sizes `{axis: size}`.
+
+  Raises:
+    ConfigError: with every problem found, each naming its key, on one line.
+  """
+  if num_devices is None:
+    num_devices = jax.device_count()
+  problems = []
+  check = _Checker(config, problems)
+
+  algorithm = check.choice('algorithm', tuple(ALGORITHMS))
+  estimator = check.choice('advantage.estimator', ESTIMATORS)
+  loss = check.choice('policy_loss.name', POLICY_LOSSES)
+  if algorithm in ALGORITHMS and estimator and loss:
+    want = ALGORITHMS[algorithm]
+    family = 'grpo' if estimator == 'dr_grpo' else estimator
+    if (family, loss) != (want['estimator'], want['loss']):
+      problems.append(
+          f'config.algorithm={algorithm!r} uses advantage.estimator'
+          f' {want["estimator"]!r} and policy_loss.name {want["loss"]!r}, but'
+          f' the config has {estimator!r} and {loss!r}; choose algorithms with'
+          f' the recipe argument (--config=configs/<recipe>.py:algorithm='
+          f'{algorithm}) so that their presets apply')
+
+  check.open_interval('policy_loss.eps_low', 0.0, 1.0)
+  check.positive('policy_loss.eps_high')
+  dual_clip = check.get('policy_loss.dual_clip')
+  if dual_clip is not None and dual_clip != 0 and dual_clip <= 1:
+    problems.append(f'config.policy_loss.dual_clip={dual_clip} must be > 1'
+                    ' (or 0 to disable it)')
+  check.choice('policy_loss.aggregation', losses.AGGREGATIONS)
+  check.non_negative('policy_loss.kl_coef')
+  check.non_negative('policy_loss.entropy_coef')
+
+  check.closed_interval('advantage.gamma', 0.0, 1.0)
+  check.closed_interval('advantage.lam', 0.0, 1.0)
+  check.positive('advantage.alpha')
+  check.positive_int('advantage.running_mean_window')
+  check.choice('advantage.running_mean_scope', RUNNING_MEAN_SCOPES)
+
+  check.positive_int('critic.steps_per_policy_step')
+  check.closed_interval('critic.lam', 0.0, 1.0)
+  check.non_negative('critic.value_clip')
+  check.non_negative_int('critic.pretrain_steps')
+
+  for role in ('actor', 'critic'):
+    check.positive(f'optim.{role}.learning_rate')
+    check.non_negative_int(f'optim.{role}.warmup_steps')
+    check.positive(f'optim.{role}.grad_clip_norm')
+
+  check.choice('model.dtype', DTYPES)
+  check.choice('model.param_dtype', DTYPES)
+
+  batch = check.positive_int('batch_size')
+  group = check.positive_int('group_size')
+  if batch and group and batch % group:
+    problems.append(f'config.batch_size={batch} is not divisible by'
+                    f' config.group_size={group}')
+  if estimator in ('grpo', 'dr_grpo') and group is not None and group < 2:
+    problems.append(f'config.group_size={group}: advantage estimator'
+                    f' {estimator!r} needs groups of at least 2 samples')
+
+  check.non_negative_int('rollout.max_staleness')
+  check.positive_int('rollout.sync_every')
+
+  mesh = {}
+  try:
+    mesh = sharding.mesh_shape(dict(config.mesh), num_devices)
+  except (ValueError, AttributeError, TypeError) as e:
+    problems.append(str(e))
+  if mesh and batch:
+    shards = sharding.batch_parallelism(mesh)
+    if batch % shards:
+      problems.append(
+          f'config.batch_size={batch} is not divisible by the data-parallel'
+          f' size {shards} (config.mesh data x fsdp = {mesh["data"]} x'
+          f' {mesh["fsdp"]})')
+
+  if problems:
+    raise ConfigError('invalid config: ' + '; '.join(problems))
+  return mesh
+
+
+def define_config_flag(name: str = 'config',
+                       default: str | None = None) -> flags.FlagHolder:
+  """`--config=file.py[:arg]` with locked `--config.a.b=value` overrides."""
+  return config_flags.DEFINE_config_file(
+      name, default, help_string='recipe file, e.g. configs/default.py[:arg]',
+      lock_config=True)
+
+
+def run(main: Callable[[Sequence[str]], None]) -> None:
+  """`absl.app.run` whose config errors are one line on stderr and exit 2.
+
+  Covers a missing or broken config file, an override of an unknown key, a
+  value of the wrong type, and `ConfigError` raised from `main` (by `validate`).
+  """
+
+  def parse(argv):
+    spec = _config_spec(argv)
+    if spec is not None and not os.path.isfile(spec.partition(':')[0]):
+      _fail(f'config file {spec.partition(":")[0]!r} does not exist')
+    try:
+      remaining = flags.FLAGS(argv)
+      flags.FLAGS['config'].value.keys()  # A failed file load raises here.
+      return remaining
+    except flags.Error as e:
+      _fail(_config_file_error(e) or str(e))
+    except (AttributeError, KeyError) as e:
+      _fail(_unknown_override(argv) or f'bad config override: {e}')
+    except (OSError, ConfigError) as e:
+      _fail(f'could not load the config: {_root_cause(e)}')
+
+  def guarded(argv):
+    try:
+      main(argv)
+    except ConfigError as e:
+      _fail(str(e))
+
+  app.run(guarded, flags_parser=parse)
+
+
+def _fail(message: str) -> None:
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_file_error(e: BaseException) -> str | None:
+  """The one-line message of a `ConfigError` raised inside `get_config`.
+
+  ml_collections re-raises errors of `get_config` with the traceback pasted into
+  the message; the user needs only its last line.
+  """
+  while e is not None and not isinstance(e, ConfigError):
+    e = e.__cause__ or e.__context__
+  if e is None:
+    return None
+  last = [line for line in str(e).splitlines() if line.strip()][-1]
+  return last.split('ConfigError: ', 1)[-1]
+
+
+def _root_cause(e: BaseException) -> str:
+  while e.__cause__ is not None:
+    e = e.__cause__
+  return f'{type(e).__name__}: {e}'
+
+
+def _unknown_override(argv: Sequence[str]) -> str | None:
+  """Names the first `--config.x.y` override whose key the config lacks."""
+  spec = _config_spec(argv)
+  overrides = [item[len('--config.'):].split('=', 1)[0]
+               for item in argv if item.startswith('--config.')]
+  if spec is None:
+    return None
+  try:
+    config = load_config(spec)
+  except Exception:  # pylint: disable=broad-except  (reported by the caller)
+    return None
+  for path in overrides:
+    node, walked = config, 'config'
+    for part in path.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        return (f'unknown config key --config.{path}: {walked} has no field'
+                f' {part!r}{_did_you_mean(part, known)}')
+      node, walked = node[part], f'{walked}.{part}'
+  return None
+
+
+def _config_spec(argv: Sequence[str]) -> str | None:
+  """The `path[:arg]` value of `--config` in `argv`, if given."""
+  spec = None
+  for i, item in enumerate(argv):
+    if item.startswith('--config='):
+      spec = item.split('=', 1)[1]
+    elif item == '--config' and i + 1 < len(argv):
+      spec = argv[i + 1]
+  return spec
+
+
+def _did_you_mean(key: str, known) -> str:
+  close = difflib.get_close_matches(key, list(known), n=1)
+  return f' (did you mean {close[0]!r}?)' if close else ''
+
+
+def _convert(key: str, text: str, default):
+  try:
+    if isinstance(default, bool):
+      if text.lower() in ('true', '1', 'yes'):
+        return True
+      if text.lower() in ('false', '0', 'no'):
+        return False
+      raise ValueError(text)
+    if isinstance(default, int):
+      return int(text)
+    if isinstance(default, float):
+      return float(text)
+  except ValueError:
+    raise ConfigError(f'config argument {key}={text!r}: expected a'
+                      f' {type(default).__name__}') from None
+  return text
+
+
+class _Checker:
+  """Reads dotted config keys and records one problem per bad key."""
+
+  def __init__(self, config, problems):
+    self._config = config
+    self._problems = problems
+
+  def get(self, key):
+    node = self._config
+    for part in key.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        self._problems.append(f'config.{key} is missing')
+        return None
+      node = node[part]
+    return node
+
+  def _number(self, key, integer=False):
+    value = self.get(key)
+    if value is None:
+      return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+      kind = 'an integer' if integer else 'a number'
+      self._problems.append(f'config.{key}={value!r} must be {kind}')
+      return None
+    return value
+
+  def _require(self, key, ok, text, integer=False):
+    value = self._number(key, integer)
+    if value is not None and not ok(value):
+      self._problems.append(f'config.{key}={value} must be {text}')
+      return None
+    return value
+
+  def choice(self, key, options):
+    value = self.get(key)
+    if value is not None and value not in options:
+      self._problems.append(
+          f'config.{key}={value!r} is not one of {", ".join(options)}'
+          f'{_did_you_mean(str(value), options)}')
+      return None
+    return value
+
+  def open_interval(self, key, lo, hi):
+    return self._require(key, lambda v: lo < v < hi, f'in ({lo}, {hi})')
+
+  def closed_interval(self, key, lo, hi):
+    return self._require(key, lambda v: lo <= v <= hi, f'in [{lo}, {hi}]')
+
+  def positive(self, key):
+    return self._require(key, lambda v: v > 0, 'positive')
+
+  def non_negative(self, key):
+    return self._require(key, lambda v: v >= 0, '>= 0')
+
+  def positive_int(self, key):
+    return self._require(key, lambda v: v >= 1, '>= 1', integer=True)
+
+  def non_negative_int(self, key):
+    return self._require(key, lambda v: v >= 0, '>= 0', integer=True)

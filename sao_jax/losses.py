@@ -1,0 +1,276 @@
+"""Policy and value losses: DIS (SAO), PPO clip, value regression, aggregation.
+
+All token losses take `[B, T]` arrays and a 0/1 `mask` (1 on the action tokens
+that carry loss). Positions with `mask == 0` are sanitised before any arithmetic,
+so garbage (even NaN) at padding never reaches the loss or its gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax import array_checks
+
+_F32 = jnp.float32
+
+# "token_mean": sum over every masked-in token of the batch / number of them
+#   (each token weighs the same; the SAO default).
+# "seq_mean_token_mean": mean over trajectories of each one's token mean (each
+#   trajectory weighs the same, whatever its length).
+AGGREGATIONS = ('token_mean', 'seq_mean_token_mean')
+
+
+def aggregate(loss, mask, mode='token_mean'):
+  """Reduces a per-token loss `[B, T]` to a scalar over the masked-in tokens.
+
+  Args:
+    loss: float `[B, T]` per-token loss.
+    mask: bool or 0/1 `[B, T]`.
+    mode: one of `AGGREGATIONS`. Rows without a masked-in token are left out of
+      the sequence mean; an all-empty batch gives 0.
+
+  Returns:
+    float32 scalar.
+  """
+  where = 'aggregate'
+  array_checks.require_rank(where, 'loss', loss, '[B, T]')
+  array_checks.require_shape(where, 'mask', mask, jnp.shape(loss), '[B, T]')
+  mask_BxT = jnp.asarray(mask).astype(bool)
+  loss_BxT = jnp.where(mask_BxT, jnp.asarray(loss, _F32), 0.0)
+  if mode == 'token_mean':
+    return jnp.sum(loss_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
+  if mode == 'seq_mean_token_mean':
+    count_B = jnp.sum(mask_BxT, axis=1)
+    row_mean_B = jnp.sum(loss_BxT, axis=1) / jnp.maximum(count_B, 1)
+    return jnp.sum(row_mean_B) / jnp.maximum(jnp.sum(count_B > 0), 1)
+  raise ValueError(f'aggregate: unknown mode {mode!r}; expected one of'
+                   f' {AGGREGATIONS}')
+
+
+def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
+                    aggregation='token_mean'):
+  """Direct double-sided importance sampling loss (SAO §1.2, paper eq. 1-3).
+
+  The ratio is taken directly against the rollout engine's own logprob mu_t
+  (no recomputed old policy), and tokens outside the open band get no gradient
+  whatever the sign of their advantage:
+
+    ratio_t = exp(logp_t - mu_t)
+    keep_t  = (1 - eps_low < ratio_t) & (ratio_t < 1 + eps_high)
+    L       = -sum_t m_t * sg(ratio_t * keep_t) * A_t * logp_t / max(sum_t m_t, 1)
+
+  so `dL/dlogp_t = -m_t * keep_t * A_t * ratio_t / N`. With
+  `aggregation="seq_mean_token_mean"` the per-token terms are averaged per
+  trajectory first.
+
+  Args:
+    logp: float `[B, T]` log pi_theta(a_t | s_t) under the learner's parameters.
+    behavior_logp: float `[B, T]` mu_t, recorded by the rollout engine.
+    advantages: float `[B, T]` A_t.
+    mask: bool or 0/1 `[B, T]` m_t (action tokens).
+    eps_low: lower band width; the band starts at 1 - eps_low (paper: 0.3).
+    eps_high: upper band width; the band ends at 1 + eps_high (paper: 5.0).
+    aggregation: one of `AGGREGATIONS`.
+
+  Returns:
+    `(loss, metrics)`: the scalar loss and a dict of float32 scalars:
+    `num_tokens` (sum of m), `frac_below` / `frac_above` (fraction of masked-in
+    tokens with ratio <= 1 - eps_low / >= 1 + eps_high), `ratio_mean`,
+    `ratio_min`, `ratio_max`, and `kl_k1`, `kl_k3`: estimates of KL(mu || pi)
+    from the tokens sampled by mu (k1 = -log r, k3 = r - 1 - log r).
+
+  References:
+    SAO, arXiv 2607.07508, §3 "direct double-sided importance sampling";
+    Schulman, "Approximating KL divergence" (k1, k3), 2020.
+  """
+  where = 'dis_policy_loss'
+  mask_BxT, (logp_BxT, mu_BxT, adv_BxT) = _token_inputs(
+      where, mask, logp=logp, behavior_logp=behavior_logp,
+      advantages=advantages)
+  log_ratio_BxT = logp_BxT - mu_BxT
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  below_BxT = mask_BxT & (ratio_BxT <= 1.0 - eps_low)
+  above_BxT = mask_BxT & (ratio_BxT >= 1.0 + eps_high)
+  keep_BxT = mask_BxT & ~below_BxT & ~above_BxT
+  # `where`, not a product: an overflowed ratio (inf) times keep=0 would be NaN.
+  coef_BxT = jax.lax.stop_gradient(jnp.where(keep_BxT, ratio_BxT, 0.0))
+  loss = aggregate(-coef_BxT * adv_BxT * logp_BxT, mask_BxT, aggregation)
+
+  metrics = _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
+  count = jnp.maximum(metrics['num_tokens'], 1.0)
+  metrics['frac_below'] = jnp.sum(below_BxT) / count
+  metrics['frac_above'] = jnp.sum(above_BxT) / count
+  return loss, metrics
+
+
+def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
+                    dual_clip=None, aggregation='token_mean'):
+  """PPO's clipped surrogate with decoupled (clip-higher) bounds and dual clip.
+
+    ratio_t = exp(logp_t - old_logp_t)
+    l_t     = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+    l_t     = min(l_t, -A_t * c)  where A_t < 0            (dual clip, if c set)
+
+  Unlike DIS, the gradient survives outside the band whenever the unclipped
+  term is the larger one (A > 0 with r < 1 - eps_low, A < 0 with r > 1 + eps_high).
+
+  Args:
+    logp: float `[B, T]` log pi_theta.
+    old_logp: float `[B, T]` log pi_old, the policy the advantages belong to
+      (recomputed by the learner for GRPO/VAPO/PPO).
+    advantages: float `[B, T]` A_t.
+    mask: bool or 0/1 `[B, T]`.
+    eps_low: lower clip width (PPO: 0.2).
+    eps_high: upper clip width (symmetric PPO: 0.2; clip-higher/DAPO: 0.28).
+    dual_clip: c > 1 bounds the loss of negative-advantage tokens at -c * A;
+      None disables it.
+    aggregation: one of `AGGREGATIONS`.
+
+  Returns:
+    `(loss, metrics)` with `num_tokens`, `clip_frac` (tokens whose clipped term
+    was taken), `dual_clip_frac`, `ratio_mean`, `ratio_min`, `ratio_max`,
+    `kl_k1`, `kl_k3` (KL(pi_old || pi) estimates).
+
+  References:
+    Schulman et al., "Proximal Policy Optimization", arXiv 1707.06347;
+    Yu et al., "DAPO", arXiv 2503.14476 (clip-higher); Ye et al., "Mastering
+    Complex Control in MOBA Games", arXiv 1912.09729 (dual clip).
+  """
+  where = 'ppo_policy_loss'
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f'{where}: dual_clip must be > 1 or None, got {dual_clip}')
+  mask_BxT, (logp_BxT, old_BxT, adv_BxT) = _token_inputs(
+      where, mask, logp=logp, old_logp=old_logp, advantages=advantages)
+  log_ratio_BxT = logp_BxT - old_BxT
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  unclipped_BxT = -adv_BxT * ratio_BxT
+  clipped_BxT = -adv_BxT * jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
+  loss_BxT = jnp.maximum(unclipped_BxT, clipped_BxT)
+  clip_active_BxT = mask_BxT & (clipped_BxT > unclipped_BxT)
+  if dual_clip is not None:
+    bound_BxT = -adv_BxT * dual_clip
+    dual_active_BxT = mask_BxT & (adv_BxT < 0) & (loss_BxT > bound_BxT)
+    loss_BxT = jnp.where(dual_active_BxT, bound_BxT, loss_BxT)
+  else:
+    dual_active_BxT = jnp.zeros_like(mask_BxT)
+  loss = aggregate(loss_BxT, mask_BxT, aggregation)
+
+  metrics = _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
+  count = jnp.maximum(metrics['num_tokens'], 1.0)
+  metrics['clip_frac'] = jnp.sum(clip_active_BxT) / count
+  metrics['dual_clip_frac'] = jnp.sum(dual_active_BxT) / count
+  return loss, metrics
+
+
+def value_loss(values, returns, mask, old_values=None, clip_eps=None,
+               aggregation='token_mean'):
+  """Critic regression `0.5 * (V_t - R_t)^2` on action tokens, optionally clipped.
+
+  With `clip_eps` set, PPO-style value clipping:
+  `0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)`.
+  SAO's critic target R is the Monte-Carlo return (lambda_critic = 1, gamma = 1).
+
+  Args:
+    values: float `[B, T]` V_phi(s_t) under the critic being trained.
+    returns: float `[B, T]` targets R_t (treated as constants).
+    mask: bool or 0/1 `[B, T]`.
+    old_values: float `[B, T]` values at rollout time; needed with `clip_eps`.
+    clip_eps: value clip width, or None (SAO default: off).
+    aggregation: one of `AGGREGATIONS`.
+
+  Returns:
+    `(loss, metrics)` with `num_tokens`, `value_mean`, `return_mean`,
+    `explained_variance`, `value_clip_frac`.
+  """
+  where = 'value_loss'
+  inputs = dict(values=values, returns=returns)
+  if clip_eps is not None:
+    if old_values is None:
+      raise ValueError(f'{where}: clip_eps={clip_eps} needs old_values')
+    inputs['old_values'] = old_values
+  mask_BxT, arrays = _token_inputs(where, mask, **inputs)
+  values_BxT = arrays[0]
+  returns_BxT = jax.lax.stop_gradient(arrays[1])
+  sq_err_BxT = (values_BxT - returns_BxT) ** 2
+  if clip_eps is not None:
+    old_BxT = jax.lax.stop_gradient(arrays[2])
+    clipped_BxT = old_BxT + jnp.clip(values_BxT - old_BxT, -clip_eps, clip_eps)
+    sq_clip_BxT = (clipped_BxT - returns_BxT) ** 2
+    clip_active_BxT = mask_BxT & (sq_clip_BxT > sq_err_BxT)
+    sq_err_BxT = jnp.maximum(sq_err_BxT, sq_clip_BxT)
+  else:
+    clip_active_BxT = jnp.zeros_like(mask_BxT)
+  loss = aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation)
+
+  num_tokens = jnp.sum(mask_BxT).astype(_F32)
+  count = jnp.maximum(num_tokens, 1.0)
+  metrics = {
+      'num_tokens': num_tokens,
+      'value_mean': jnp.sum(values_BxT) / count,
+      'return_mean': jnp.sum(returns_BxT) / count,
+      'explained_variance': explained_variance(values_BxT, returns_BxT,
+                                               mask_BxT),
+      'value_clip_frac': jnp.sum(clip_active_BxT) / count,
+  }
+  return loss, jax.lax.stop_gradient(metrics)
+
+
+def explained_variance(values, returns, mask):
+  """`1 - Var[R - V] / Var[R]` over the masked-in tokens (the critic's health).
+
+  1 is a perfect critic, 0 one no better than a constant, negative one worse.
+  NaN when the returns have no variance (e.g. every reward of the batch equal),
+  where the quantity is undefined.
+
+  Args:
+    values: float `[B, T]` V_t.
+    returns: float `[B, T]` R_t.
+    mask: bool or 0/1 `[B, T]`.
+
+  Returns:
+    float32 scalar.
+  """
+  mask_BxT, (values_BxT, returns_BxT) = _token_inputs(
+      'explained_variance', mask, values=values, returns=returns)
+  count = jnp.maximum(jnp.sum(mask_BxT), 1)
+
+  def masked_var(x_BxT):
+    mean = jnp.sum(x_BxT) / count
+    return jnp.sum(jnp.where(mask_BxT, (x_BxT - mean) ** 2, 0.0)) / count
+
+  var_returns = masked_var(returns_BxT)
+  ev = 1.0 - masked_var(returns_BxT - values_BxT) / var_returns
+  return jnp.where(var_returns > 0, ev, jnp.nan)
+
+
+def _token_inputs(where, mask, **arrays):
+  """Checks `[B, T]` float arrays against the mask; returns them sanitised f32."""
+  array_checks.require_rank(where, 'mask', mask, '[B, T]')
+  shape = tuple(jnp.shape(mask))
+  for name, x in arrays.items():
+    array_checks.require_shape(where, name, x, shape, '[B, T] (the mask shape)')
+    array_checks.require_float(where, name, x)
+  mask_BxT = jnp.asarray(mask).astype(bool)
+  return mask_BxT, tuple(
+      jnp.where(mask_BxT, jnp.asarray(x, _F32), 0.0) for x in arrays.values())
+
+
+def _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT):
+  """Masked statistics of the importance ratio shared by DIS and PPO."""
+  num_tokens = jnp.sum(mask_BxT).astype(_F32)
+  count = jnp.maximum(num_tokens, 1.0)
+  log_ratio_BxT = jax.lax.stop_gradient(log_ratio_BxT)
+  ratio_BxT = jax.lax.stop_gradient(ratio_BxT)
+  k3_BxT = ratio_BxT - 1.0 - log_ratio_BxT
+  has_tokens = num_tokens > 0
+  return {
+      'num_tokens': num_tokens,
+      'ratio_mean': jnp.sum(jnp.where(mask_BxT, ratio_BxT, 0.0)) / count,
+      'ratio_min': jnp.where(
+          has_tokens, jnp.min(jnp.where(mask_BxT, ratio_BxT, jnp.inf)), 1.0),
+      'ratio_max': jnp.where(
+          has_tokens, jnp.max(jnp.where(mask_BxT, ratio_BxT, -jnp.inf)), 1.0),
+      'kl_k1': jnp.sum(jnp.where(mask_BxT, -log_ratio_BxT, 0.0)) / count,
+      'kl_k3': jnp.sum(jnp.where(mask_BxT, k3_BxT, 0.0)) / count,
+  }

@@ -1,0 +1,28 @@
+"""Test session setup.
+
+Eight fake CPU devices are requested before JAX starts, so that sharding tests
+can build real meshes on one CPU. A session that executed no test fails: a
+suite that silently collects nothing (or skips everything) must not pass CI.
+"""
+
+import os
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import pytest  # pylint: disable=g-import-not-at-top
+
+_executed = {'count': 0}
+
+
+def pytest_runtest_logreport(report):
+  if report.when == 'call' and report.outcome in ('passed', 'failed'):
+    _executed['count'] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del exitstatus
+  collect_only = session.config.getoption('collectonly', default=False)
+  if not collect_only and _executed['count'] == 0:
+    session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+    print('\nerror: no test was executed; failing the run')

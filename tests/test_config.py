@@ -1,0 +1,160 @@
+"""Config files, overrides and validation: every bad setting is one clear line."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sao_jax import config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
+CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+
+
+def default(arg=None):
+  return config_lib.load_config(DEFAULT + (f':{arg}' if arg else ''))
+
+
+@pytest.mark.parametrize('path', CONFIG_FILES, ids=os.path.basename)
+def test_config_files_document_their_command_and_validate(path):
+  module = config_lib.load_module(path)
+  assert 'python -m sao_jax.' in (module.__doc__ or ''), (
+      f'{path}: the module docstring must give the command that runs it')
+  assert module.get_config.__doc__
+  mesh = config_lib.validate(module.get_config(), num_devices=8)
+  assert mesh['data'] * mesh['fsdp'] * mesh['tensor'] == 8
+
+
+@pytest.mark.parametrize('algorithm', list(config_lib.ALGORITHMS))
+def test_every_algorithm_preset_is_valid(algorithm):
+  config = default(f'algorithm={algorithm}')
+  config_lib.validate(config, num_devices=1)
+  want = config_lib.ALGORITHMS[algorithm]
+  assert config.policy_loss.name == want['loss']
+  assert config.advantage.estimator == want['estimator']
+
+
+def test_presets_follow_the_paper():
+  sao = default()
+  assert (sao.policy_loss.eps_low, sao.policy_loss.eps_high) == (0.3, 5.0)
+  assert sao.critic.steps_per_policy_step == 2 and sao.critic.frozen_attention
+  assert sao.optim.critic.learning_rate == pytest.approx(
+      5 * sao.optim.actor.learning_rate)
+  assert sao.group_size == 1
+  grpo = default('algorithm=grpo')
+  assert grpo.group_size == 8
+  assert (grpo.policy_loss.eps_low, grpo.policy_loss.eps_high) == (0.2, 0.28)
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('policy_loss.eps_low', 1.5, r'config.policy_loss.eps_low=1.5 must be in \(0.0, 1.0\)'),
+    ('policy_loss.eps_low', 0.0, r'config.policy_loss.eps_low=0.0 must be in'),
+    ('policy_loss.eps_high', -1.0, r'config.policy_loss.eps_high=-1.0 must be positive'),
+    ('critic.steps_per_policy_step', 0, r'config.critic.steps_per_policy_step=0 must be >= 1'),
+    ('advantage.gamma', 1.2, r'config.advantage.gamma=1.2 must be in \[0.0, 1.0\]'),
+    ('policy_loss.dual_clip', 0.5, r'config.policy_loss.dual_clip=0.5 must be > 1'),
+    ('policy_loss.aggregation', 'sum', r"config.policy_loss.aggregation='sum' is not one of"),
+    ('model.dtype', 'float16', r"config.model.dtype='float16' is not one of"),
+    ('optim.actor.learning_rate', 0.0, r'config.optim.actor.learning_rate=0.0 must be positive'),
+    ('rollout.sync_every', 0, r'config.rollout.sync_every=0 must be >= 1'),
+    ('batch_size', 30, r'config.batch_size=30 is not divisible by the data-parallel size 8'),
+])
+def test_validate_names_the_bad_key(key, value, message):
+  config = default()
+  section, _, field = key.rpartition('.')
+  node = config
+  for part in filter(None, section.split('.')):
+    node = node[part]
+  node[field] = value
+  with pytest.raises(config_lib.ConfigError, match=message) as info:
+    config_lib.validate(config, num_devices=8)
+  assert '\n' not in str(info.value)
+
+
+def test_validate_reports_every_problem_on_one_line():
+  config = default()
+  config.policy_loss.eps_low = 2.0
+  config.critic.steps_per_policy_step = 0
+  with pytest.raises(config_lib.ConfigError) as info:
+    config_lib.validate(config, num_devices=1)
+  text = str(info.value)
+  assert 'eps_low' in text and 'steps_per_policy_step' in text
+  assert '\n' not in text
+
+
+def test_mesh_must_fit_the_devices():
+  config = default()
+  config.mesh.tensor = 3
+  with pytest.raises(config_lib.ConfigError, match='multiple of 3 devices'):
+    config_lib.validate(config, num_devices=8)
+  config.mesh.data, config.mesh.tensor = 4, 4
+  with pytest.raises(config_lib.ConfigError, match='needs 16 devices, but there are 8'):
+    config_lib.validate(config, num_devices=8)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, -1, 2
+  assert config_lib.validate(config, num_devices=8) == dict(data=2, fsdp=2, tensor=2)
+
+
+def test_grpo_needs_groups_and_algorithm_must_match_its_parts():
+  config = default('algorithm=grpo')
+  config.group_size = 1
+  with pytest.raises(config_lib.ConfigError, match='needs groups of at least 2'):
+    config_lib.validate(config, num_devices=1)
+  config = default()
+  config.algorithm = 'grpo'
+  with pytest.raises(config_lib.ConfigError, match=r'algorithm=grpo\) so that'):
+    config_lib.validate(config, num_devices=1)
+
+
+def test_parse_arg_types_and_unknown_keys():
+  arg = config_lib.parse_arg('seed=3,flag=false,name=x, rate=0.5', seed=0,
+                             flag=True, name='a', rate=1.0)
+  assert (arg.seed, arg.flag, arg.name, arg.rate) == (3, False, 'x', 0.5)
+  with pytest.raises(config_lib.ConfigError, match="did you mean 'seed'"):
+    config_lib.parse_arg('sed=1', seed=0)
+  with pytest.raises(config_lib.ConfigError, match='expected a int'):
+    config_lib.parse_arg('seed=x', seed=0)
+
+
+def run_show_config(*args):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'sao_jax.show_config', *args], cwd=ROOT,
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  return proc, lines
+
+
+def test_entry_point_applies_overrides():
+  proc, _ = run_show_config('--config=configs/default.py:algorithm=grpo',
+                            '--config.policy_loss.eps_low=0.1')
+  assert proc.returncode == 0, proc.stderr
+  assert 'eps_low: 0.1' in proc.stdout and 'name: ppo' in proc.stdout
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config.policy_loss.eps_lo=0.1'],
+     "unknown config key --config.policy_loss.eps_lo: config.policy_loss has no"
+     " field 'eps_lo' (did you mean 'eps_low'?)"),
+    (['--config.policy_loss.eps_low=abc'], "could not convert string to float: 'abc'"),
+    (['--config.critic.steps_per_policy_step=0'],
+     'config.critic.steps_per_policy_step=0 must be >= 1'),
+])
+def test_entry_point_errors_are_one_line(args, message):
+  proc, lines = run_show_config('--config=configs/default.py', *args)
+  assert proc.returncode == 2
+  assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize('spec, message', [
+    ('configs/nope.py', "config file 'configs/nope.py' does not exist"),
+    ('configs/default.py:algo=grpo', "unknown config argument 'algo'"),
+    ('configs/default.py:algorithm=reinforce', "unknown algorithm 'reinforce'"),
+])
+def test_entry_point_bad_config_file_or_argument(spec, message):
+  proc, lines = run_show_config(f'--config={spec}')
+  assert proc.returncode == 2
+  assert lines and message in lines[0], proc.stderr
+  assert 'Traceback' not in proc.stderr
