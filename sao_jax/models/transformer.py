@@ -1,0 +1,266 @@
+"""Llama / Qwen2-family decoder in Flax NNX, shared by learner and rollout engine.
+
+Layers are stacked (one parameter array per kind with a leading `layers` axis)
+and run with `jax.lax.scan`: compile time does not grow with depth, which is
+what makes 8B-class models compile for TPU pods in minutes. Every parameter
+carries `logical_axes` metadata (`embed`, `mlp`, `heads`, `kv_heads`, `vocab`,
+...) that `sao_jax.sharding` maps to mesh axes by rules from the config.
+
+The same `Decoder.__call__` serves three modes:
+  * training / scoring: full sequences, no cache;
+  * prefill: full (right-padded) prompts, returning their keys and values;
+  * decode: one new token per slot written into a KV cache at each slot's own
+    position, attending over the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax import array_checks
+from sao_jax.models import model_config
+
+_F32 = jnp.float32
+_NEG_INF = -1e30  # Finite: a fully masked row (padding) must not become NaN.
+
+
+def _param(rngs, shape, axes, dtype, init=jax.nn.initializers.normal(0.02)):
+  return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """`x / rms(x) * scale`, the statistics in float32 (as Hugging Face does)."""
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=('norm',))
+
+  def __call__(self, x):
+    x32 = x.astype(_F32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
+                                 + self.eps)
+    return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def rope_cos_sin(positions_BxT, inv_freq_D2):
+  """cos/sin tables `[B, T, D]` for rotate-half RoPE at integer positions."""
+  angles_BxTxD2 = positions_BxT.astype(_F32)[..., None] * inv_freq_D2
+  angles_BxTxD = jnp.concatenate([angles_BxTxD2, angles_BxTxD2], axis=-1)
+  return jnp.cos(angles_BxTxD), jnp.sin(angles_BxTxD)
+
+
+def apply_rope(x_BxTxNxD, cos_BxTxD, sin_BxTxD):
+  """Rotates query/key heads by their positions (Hugging Face rotate-half)."""
+  half = x_BxTxNxD.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BxTxNxD[..., half:], x_BxTxNxD[..., :half]],
+                            axis=-1)
+  cos = cos_BxTxD[:, :, None, :].astype(x_BxTxNxD.dtype)
+  sin = sin_BxTxD[:, :, None, :].astype(x_BxTxNxD.dtype)
+  return x_BxTxNxD * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with optional q/k/v biases (Qwen2)."""
+
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = cfg.params_dtype
+    self.q_proj = _param(rngs, (d, h, dh), ('embed', 'heads', 'head_dim'), pd)
+    self.k_proj = _param(rngs, (d, k, dh), ('embed', 'kv_heads', 'head_dim'), pd)
+    self.v_proj = _param(rngs, (d, k, dh), ('embed', 'kv_heads', 'head_dim'), pd)
+    self.o_proj = _param(rngs, (h, dh, d), ('heads', 'head_dim', 'embed'), pd)
+    if cfg.qkv_bias:
+      zeros = jax.nn.initializers.zeros
+      self.q_bias = _param(rngs, (h, dh), ('heads', 'head_dim'), pd, zeros)
+      self.k_bias = _param(rngs, (k, dh), ('kv_heads', 'head_dim'), pd, zeros)
+      self.v_bias = _param(rngs, (k, dh), ('kv_heads', 'head_dim'), pd, zeros)
+    else:
+      self.q_bias = self.k_bias = self.v_bias = None
+    self.dtype = cfg.compute_dtype
+
+  def _project(self, x, kernel, bias):
+    y = jnp.einsum('btd,dnh->btnh', x, kernel[...].astype(self.dtype))
+    return y if bias is None else y + bias[...].astype(self.dtype)
+
+  def __call__(self, x_BxTxd, cos_BxTxD, sin_BxTxD, mask_BxTxS,
+               cache_k=None, cache_v=None, write_index_B=None):
+    """Returns `(y_BxTxd, (keys, values))`.
+
+    Without a cache the keys/values are this call's own `[B, T, K, D]` (what a
+    prefill stores); with one, the new keys/values are written into it at
+    `write_index_B` and the updated `[B, S, K, D]` cache is returned.
+    """
+    q_BxTxHxD = apply_rope(self._project(x_BxTxd, self.q_proj, self.q_bias),
+                           cos_BxTxD, sin_BxTxD)
+    k_BxTxKxD = apply_rope(self._project(x_BxTxd, self.k_proj, self.k_bias),
+                           cos_BxTxD, sin_BxTxD)
+    v_BxTxKxD = self._project(x_BxTxd, self.v_proj, self.v_bias)
+    if cache_k is None:
+      keys, values = k_BxTxKxD, v_BxTxKxD
+    else:
+      write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(
+          c, n.astype(c.dtype), (i, 0, 0)))
+      keys = write(cache_k, k_BxTxKxD, write_index_B)
+      values = write(cache_v, v_BxTxKxD, write_index_B)
+    out_BxTxHxD = attend(q_BxTxHxD, keys.astype(self.dtype),
+                         values.astype(self.dtype), mask_BxTxS)
+    y_BxTxd = jnp.einsum('btnh,nhd->btd', out_BxTxHxD,
+                         self.o_proj[...].astype(self.dtype))
+    return y_BxTxd, (keys, values)
+
+
+def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
+  """Softmax attention of H query heads over K shared key/value heads."""
+  b, t, h, d = q_BxTxHxD.shape
+  kv_heads = k_BxSxKxD.shape[2]
+  q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
+  scores = jnp.einsum('btkgd,bskd->bkgts', q_BxTxKxGxD, k_BxSxKxD,
+                      preferred_element_type=_F32) * (d ** -0.5)
+  scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxD)
+  return out.reshape(b, t, h, d)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+    d, f, pd = cfg.hidden_size, cfg.intermediate_size, cfg.params_dtype
+    self.gate_proj = _param(rngs, (d, f), ('embed', 'mlp'), pd)
+    self.up_proj = _param(rngs, (d, f), ('embed', 'mlp'), pd)
+    self.down_proj = _param(rngs, (f, d), ('mlp', 'embed'), pd)
+    self.dtype = cfg.compute_dtype
+
+  def __call__(self, x_BxTxd):
+    gate = x_BxTxd @ self.gate_proj[...].astype(self.dtype)
+    up = x_BxTxd @ self.up_proj[...].astype(self.dtype)
+    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(self.dtype)
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention, then SwiGLU MLP."""
+
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None,
+               write_index=None):
+    h, kv = self.attn(self.attn_norm(x), cos, sin, mask, cache_k, cache_v,
+                      write_index)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), kv
+
+
+class Decoder(nnx.Module):
+  """Embedding, L stacked blocks, final norm: tokens -> hidden states."""
+
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size),
+                        ('vocab', 'embed'), cfg.params_dtype)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: 'layers',
+                                  'logical_axes': 'layers'})
+    def make_blocks(rngs):
+      return Block(cfg, rngs=rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                              cfg.params_dtype)
+
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None,
+               write_index_B=None):
+    """Runs the stack; returns `(hidden_BxTxd, (keys, values))`.
+
+    Args:
+      tokens_BxT: int token ids.
+      positions_BxT: RoPE positions of the tokens.
+      mask_BxTxS: bool, query t may attend to key s (S = T without a cache,
+        the cache length with one).
+      cache: optional `(k, v)`, each `[L, B, S, K, D]`, for decoding.
+      write_index_B: where each row's new keys go in the cache.
+
+    Returns:
+      The final-normed hidden states and the per-layer keys/values
+      `[L, B, T or S, K, D]` (this call's own, or the updated cache).
+    """
+    cfg = self.config
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
+    cos, sin = rope_cos_sin(positions_BxT, jnp.asarray(cfg.rope_inv_freq()))
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def layer(x, xs):
+      params, cache_k, cache_v = xs
+      block = nnx.merge(graphdef, params)
+      return block(x, cos, sin, mask_BxTxS, cache_k, cache_v, write_index_B)
+
+    if cfg.remat:
+      layer = jax.checkpoint(layer)
+    cache_k, cache_v = cache if cache is not None else (None, None)
+    x, kv = jax.lax.scan(layer, x, (stacked, cache_k, cache_v))
+    return self.final_norm(x), kv
+
+
+def default_positions(tokens_BxT, input_mask_BxT=None):
+  """Positions counting real tokens only (left or right padding both work)."""
+  if input_mask_BxT is None:
+    return jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+  return jnp.maximum(jnp.cumsum(input_mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def causal_mask(input_mask_BxT):
+  """Query t sees key s <= t when s is a real token: `[B, T, T]` bool."""
+  t = input_mask_BxT.shape[1]
+  causal_TxT = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  return causal_TxT[None] & input_mask_BxT.astype(bool)[:, None, :]
+
+
+class CausalLM(nnx.Module):
+  """The policy pi_theta: decoder plus LM head (tied or untied)."""
+
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.decoder = Decoder(cfg, rngs=rngs)
+    self.lm_head = None if cfg.tie_embeddings else _param(
+        rngs, (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'),
+        cfg.params_dtype)
+
+  def __call__(self, tokens, positions=None, input_mask=None):
+    """Logits float32 `[B, T, V]` for int tokens `[B, T]`.
+
+    Args:
+      tokens: int `[B, T]`.
+      positions: optional int `[B, T]` RoPE positions; by default counted over
+        the real tokens of `input_mask`.
+      input_mask: optional bool `[B, T]`, False at padding (left or right).
+    """
+    array_checks.require_rank('CausalLM', 'tokens', tokens, '[B, T]')
+    if input_mask is None:
+      input_mask = jnp.ones(tokens.shape, bool)
+    if positions is None:
+      positions = default_positions(tokens, input_mask)
+    hidden, _ = self.decoder(tokens, positions, causal_mask(input_mask))
+    return self.logits(hidden)
+
+  def logits(self, hidden_BxTxd):
+    """LM head on final hidden states, float32 logits."""
+    dtype = self.config.compute_dtype
+    if self.lm_head is None:
+      kernel = self.decoder.embed[...].astype(dtype).T
+    else:
+      kernel = self.lm_head[...].astype(dtype)
+    return jnp.einsum('btd,dv->btv', hidden_BxTxd.astype(dtype), kernel,
+                      preferred_element_type=_F32)
+
+
+def init_causal_lm(cfg: model_config.ModelConfig, seed: int = 0) -> CausalLM:
+  """A randomly initialised policy (normal(0.02) weights, unit norms)."""
+  return CausalLM(cfg, rngs=nnx.Rngs(seed))

@@ -1,0 +1,202 @@
+"""The Flax decoder against Hugging Face transformers (CPU torch) on tiny models."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+import torch
+import transformers
+from flax import nnx
+
+from sao_jax.models import decoding
+from sao_jax.models import hf_checkpoint
+from sao_jax.models import model_config
+from sao_jax.models import pretrained
+from sao_jax.models import sampling
+from sao_jax.models import transformer
+
+VOCAB = 101
+KINDS = {
+    'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(tie_word_embeddings=False)),
+    'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(tie_word_embeddings=True)),
+    'llama3_rope': (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                    dict(rope_scaling=dict(
+                        rope_type='llama3', factor=8.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0,
+                        original_max_position_embeddings=64),
+                         max_position_embeddings=512)),
+}
+
+
+def save_tiny_tokenizer(directory):
+  """A word-level tokenizer over VOCAB ids with a chat template, HF layout."""
+  vocab = {f'w{i}': i for i in range(VOCAB)}
+  vocab.update({'<unk>': 0, '<s>': 1, '</s>': 2})
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  fast = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token='<s>', eos_token='</s>', unk_token='<unk>')
+  fast.chat_template = ('{% for m in messages %}{{ m["role"] }} {{ m["content"] }}'
+                        ' {% endfor %}{% if add_generation_prompt %}w3{% endif %}')
+  fast.save_pretrained(directory)
+
+
+@pytest.fixture(scope='module', params=list(KINDS))
+def checkpoint(request, tmp_path_factory):
+  """(kind, HF reference model, checkpoint dir) of a tiny random model."""
+  config_cls, model_cls, extra = KINDS[request.param]
+  torch.manual_seed(0)
+  hf_config = config_cls(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+      rope_theta=5000.0, bos_token_id=1, eos_token_id=2, **extra)
+  reference = model_cls(hf_config).eval()
+  with torch.no_grad():  # Qwen2 biases start at 0: make them matter.
+    for name, p in reference.named_parameters():
+      if name.endswith('bias'):
+        p.normal_(0, 0.1)
+  directory = str(tmp_path_factory.mktemp(request.param))
+  reference.save_pretrained(directory)
+  save_tiny_tokenizer(directory)
+  return request.param, reference, directory
+
+
+def load(directory, **overrides):
+  with open(os.path.join(directory, 'config.json')) as f:
+    cfg = model_config.from_hf_config(json.load(f), **overrides)
+  return pretrained.build(
+      cfg, hf_checkpoint.to_params(hf_checkpoint.read_safetensors(directory), cfg))
+
+
+def padded_batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, VOCAB, (3, 13))
+  mask = np.ones(tokens.shape, bool)
+  mask[1, 8:] = False  # right padding
+  mask[2, :5] = False  # left padding
+  return tokens, mask
+
+
+def reference_logits(reference, tokens, mask):
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+  with torch.no_grad():
+    return reference(input_ids=torch.tensor(tokens),
+                     attention_mask=torch.tensor(mask.astype(np.int64)),
+                     position_ids=torch.tensor(positions)).logits.numpy()
+
+
+def test_logits_match_transformers_with_padding(checkpoint):
+  _, reference, directory = checkpoint
+  model = load(directory)
+  tokens, mask = padded_batch()
+  got = nnx.jit(lambda mdl, t, m: mdl(t, input_mask=m))(model, tokens, mask)
+  assert got.dtype == jnp.float32 and got.shape == (3, 13, VOCAB)
+  want = reference_logits(reference, tokens, mask)
+  assert np.abs(np.asarray(got) - want)[mask].max() < 1e-4
+
+
+def test_greedy_decoding_matches_transformers_generate(checkpoint):
+  _, reference, directory = checkpoint
+  model = load(directory)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 11, 2)]
+  outputs = decoding.generate(model, prompts, 32,
+                              sampling.SamplingParams(temperature=0))
+  for prompt, out in zip(prompts, outputs):
+    with torch.no_grad():
+      want = reference.generate(
+          torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens == want
+
+
+def test_kv_cache_decode_equals_full_forward(checkpoint):
+  _, _, directory = checkpoint
+  model = load(directory)
+  rng = np.random.default_rng(2)
+  sequence = rng.integers(3, VOCAB, (1, 20))
+  full = np.asarray(model(sequence))
+  prompt_len = 7
+  # Prefill a right-padded prompt (pad garbage must be ignored), slot 1 of 2.
+  padded = np.concatenate([sequence[:, :prompt_len], np.full((1, 9), 5)], 1)
+  logits, prefix = decoding.prefill(model, padded, np.array([prompt_len]))
+  cache = decoding.insert(decoding.init_cache(model.config, 2, 32), prefix, 1)
+  got = [np.asarray(logits)[0]]
+  step = nnx.jit(decoding.decode_step)
+  for t in range(prompt_len, sequence.shape[1] - 1):
+    tokens = jnp.array([0, sequence[0, t]])
+    logits, cache = step(model, cache, tokens, jnp.array([0, t]))
+    got.append(np.asarray(logits)[1])
+  np.testing.assert_allclose(np.stack(got), full[0, prompt_len - 1:-1],
+                             atol=2e-5, rtol=1e-5)
+
+
+def test_bfloat16_compute_stays_close(checkpoint):
+  _, _, directory = checkpoint
+  tokens, mask = padded_batch()
+  f32 = np.asarray(load(directory)(tokens, input_mask=mask))
+  bf16 = np.asarray(load(directory, dtype='bfloat16',
+                         param_dtype='bfloat16')(tokens, input_mask=mask))
+  assert bf16.dtype == np.float32
+  assert np.abs(bf16 - f32)[mask].max() < 0.1
+  assert np.abs(bf16 - f32)[mask].max() > 0  # it did compute in bf16
+
+
+def test_export_round_trip_and_transformers_reads_it(checkpoint, tmp_path):
+  _, _, directory = checkpoint
+  model, tok = pretrained.from_pretrained(directory)
+  tokens, mask = padded_batch()
+  before = np.asarray(model(tokens, input_mask=mask))
+  pretrained.export_pretrained(model, tok, str(tmp_path))
+  again, tok_again = pretrained.from_pretrained(str(tmp_path))
+  np.testing.assert_array_equal(np.asarray(again(tokens, input_mask=mask)),
+                                before)
+  assert tok_again.encode('w5 w7') == tok.encode('w5 w7') == [5, 7]
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+  assert np.abs(reference_logits(hf, tokens, mask) - before)[mask].max() < 1e-4
+
+
+def test_every_parameter_has_logical_axes():
+  cfg = model_config.ModelConfig('qwen2', 50, 32, 48, 2, 4, 2, 8,
+                                 qkv_bias=True)
+  state = nnx.state(transformer.init_causal_lm(cfg), nnx.Param)
+  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert leaves
+  for var in leaves:
+    axes = var.get_metadata()['logical_axes']
+    assert len(axes) == var[...].ndim
+  q_proj = state['decoder']['blocks']['attn']['q_proj']
+  assert q_proj.get_metadata()['logical_axes'] == (
+      'layers', 'embed', 'heads', 'head_dim')
+
+
+def test_checkpoint_errors_name_the_problem(checkpoint, tmp_path):
+  kind, _, directory = checkpoint
+  with open(os.path.join(directory, 'config.json')) as f:
+    hf = json.load(f)
+  cfg = model_config.from_hf_config(hf)
+  tensors = hf_checkpoint.read_safetensors(directory)
+  missing = dict(tensors)
+  del missing['model.layers.2.mlp.up_proj.weight']
+  with pytest.raises(ValueError, match=r"missing tensor 'model.layers.2.mlp.up_proj.weight'"):
+    hf_checkpoint.to_params(missing, cfg)
+  bad = dict(tensors)
+  bad['model.norm.weight'] = np.zeros(63, np.float32)
+  with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(63,\), expected \(64,\)"):
+    hf_checkpoint.to_params(bad, cfg)
+  with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    model_config.from_hf_config(dict(hf, model_type='gpt2'))
+  with pytest.raises(ValueError, match="required field 'hidden_size' is missing"):
+    model_config.from_hf_config({k: v for k, v in hf.items() if k != 'hidden_size'})
+  with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    model_config.from_hf_config(dict(hf, rope_parameters=dict(rope_type='yarn')))
+  with pytest.raises(ValueError, match='no config.json'):
+    pretrained.from_pretrained(str(tmp_path))
+  with pytest.raises(ValueError, match="unknown model source 'gpt-17'"):
+    pretrained.from_pretrained('gpt-17')
