@@ -140,16 +140,6 @@ def dequantize(raw: np.ndarray, qtype, shape) -> np.ndarray:
   return out.reshape(shape)
 
 
-def _metadata(reader: gguf.GGUFReader, key: str, default=KeyError):
-  """A metadata value; a ValueError naming `key` if absent without default."""
-  field = reader.fields.get(key)
-  if field is None:
-    if default is KeyError:
-      raise ValueError(f'GGUF metadata field {key!r} is missing')
-    return default
-  return field.contents()
-
-
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
   """Inverse of llama.cpp's q/k row permutation (`LlamaModel.permute`).
 
@@ -179,7 +169,7 @@ def _hf_config(reader: gguf.GGUFReader, embedding_shape, tied: bool,
   """The `config.json` of the LlamaForCausalLM a llama GGUF describes."""
 
   def value(key, default=KeyError):
-    return _metadata(reader, key, default)
+    return tokenizer_lib.gguf_metadata(reader, key, default)
 
   scaling = value('llama.rope.scaling.type', 'none')
   if scaling not in ('none', None):
@@ -240,7 +230,7 @@ def read_gguf(path: str | os.PathLike[str]):
       or rope scaling is unsupported. The message names the culprit.
   """
   reader = gguf.GGUFReader(os.fspath(path))
-  arch = _metadata(reader, 'general.architecture')
+  arch = tokenizer_lib.gguf_metadata(reader, 'general.architecture')
   if arch != 'llama':
     raise ValueError(f'unsupported GGUF general.architecture {arch!r}: only'
                      ' \'llama\' is supported')

@@ -112,7 +112,7 @@ def _byte_level_pre_tokenizer(family: str):
   ])
 
 
-def _gguf_value(reader, key: str, default: Any = KeyError) -> Any:
+def gguf_metadata(reader, key: str, default: Any = KeyError) -> Any:
   """A GGUF metadata value as a Python object; `default` when absent.
 
   Without a default a missing key is a ValueError naming it: a GGUF that lacks
@@ -419,23 +419,23 @@ class Tokenizer:
     else:
       reader = reader_or_path
 
-    kind = _gguf_value(reader, 'tokenizer.ggml.model')
+    kind = gguf_metadata(reader, 'tokenizer.ggml.model')
     if kind != 'gpt2':
       raise ValueError(
           f'unsupported GGUF tokenizer.ggml.model {kind!r}: only \'gpt2\''
           ' (byte-level BPE) is supported')
-    pre = _gguf_value(reader, 'tokenizer.ggml.pre', None)
+    pre = gguf_metadata(reader, 'tokenizer.ggml.pre', None)
     if pre not in _GGUF_PRE_TOKENIZERS:
       raise ValueError(
           f'unsupported GGUF tokenizer.ggml.pre {pre!r}; supported:'
           f' {sorted(_GGUF_PRE_TOKENIZERS)}')
     family, ignore_merges = _GGUF_PRE_TOKENIZERS[pre]
 
-    tokens = list(_gguf_value(reader, 'tokenizer.ggml.tokens'))
-    token_types = list(_gguf_value(reader, 'tokenizer.ggml.token_type',
+    tokens = list(gguf_metadata(reader, 'tokenizer.ggml.tokens'))
+    token_types = list(gguf_metadata(reader, 'tokenizer.ggml.token_type',
                                    [1] * len(tokens)))
     merges = []
-    for merge in _gguf_value(reader, 'tokenizer.ggml.merges'):
+    for merge in gguf_metadata(reader, 'tokenizer.ggml.merges'):
       parts = merge.split(' ')
       if len(parts) != 2:
         raise ValueError(
@@ -471,7 +471,7 @@ class Tokenizer:
     backend.add_tokens([t for t in added if not t.special])
 
     def special(key):
-      token_id = _gguf_value(reader, f'tokenizer.ggml.{key}', None)
+      token_id = gguf_metadata(reader, f'tokenizer.ggml.{key}', None)
       if token_id is None:
         return None
       if not 0 <= token_id < len(tokens):
@@ -484,7 +484,7 @@ class Tokenizer:
                eos_token=special('eos_token_id'),
                pad_token=special('padding_token_id'),
                unk_token=special('unknown_token_id'),
-               chat_template=_gguf_value(reader, 'tokenizer.chat_template',
+               chat_template=gguf_metadata(reader, 'tokenizer.chat_template',
                                          None))
 
   def save(self, path: str | os.PathLike[str]) -> None:
