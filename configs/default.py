@@ -87,6 +87,11 @@ def get_config(arg=None):
     o.weight_decay = 0.0
     c.optim[role] = o
 
+  # Kernels for the DIS loss and GAE: auto = Pallas on TPU, XLA elsewhere;
+  # xla | pallas force one (pallas runs in interpret mode off TPU).
+  c.kernels = ml_collections.ConfigDict()
+  c.kernels.implementation = 'auto'
+
   # Device mesh: data x fsdp x tensor; -1 takes the devices the others leave.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
 

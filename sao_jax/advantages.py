@@ -50,18 +50,9 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam):
     Schulman et al., "High-Dimensional Continuous Control Using Generalized
     Advantage Estimation", 2015; SAO (arXiv 2607.07508) §3, skip-observation GAE.
   """
-  where = 'skip_observation_gae'
-  array_checks.require_rank(where, 'rewards', rewards, '[B, T]')
-  batch, length = jnp.shape(rewards)
-  array_checks.require_shape(where, 'values', values, (batch, length), '[B, T]')
-  array_checks.require_shape(where, 'action_mask', action_mask, (batch, length),
-                             '[B, T]')
-  array_checks.require_float(where, 'rewards', rewards)
-  array_checks.require_float(where, 'values', values)
-  gamma = _scalar(where, 'gamma', gamma)
-  lam_B = _per_row(where, 'lam', lam, batch)
-
-  mask_BxT = jnp.asarray(action_mask).astype(bool)
+  mask_BxT, gamma, lam_B = check_gae_inputs(
+      'skip_observation_gae', rewards, values, action_mask, gamma, lam)
+  batch = mask_BxT.shape[0]
   # Sanitise non-action positions first: rewards there are ignored by
   # definition, and values at padding may be garbage (even NaN).
   rewards_BxT = jnp.where(mask_BxT, jnp.asarray(rewards, _F32), 0.0)
@@ -85,6 +76,23 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam):
   adv_BxT = adv_TxB.T
   returns_BxT = jnp.where(mask_BxT, adv_BxT + values_BxT, 0.0)
   return adv_BxT, returns_BxT
+
+
+def check_gae_inputs(where, rewards, values, action_mask, gamma, lam):
+  """Validates GAE arguments (shared by the reference and the kernels).
+
+  Returns:
+    `(mask_BxT bool, gamma float32 scalar, lam_B float32 [B])`.
+  """
+  array_checks.require_rank(where, 'rewards', rewards, '[B, T]')
+  batch, length = jnp.shape(rewards)
+  array_checks.require_shape(where, 'values', values, (batch, length), '[B, T]')
+  array_checks.require_shape(where, 'action_mask', action_mask, (batch, length),
+                             '[B, T]')
+  array_checks.require_float(where, 'rewards', rewards)
+  array_checks.require_float(where, 'values', values)
+  return (jnp.asarray(action_mask).astype(bool), _scalar(where, 'gamma', gamma),
+          _per_row(where, 'lam', lam, batch))
 
 
 def length_adaptive_lambda(num_action_tokens, alpha):

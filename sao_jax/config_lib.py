@@ -25,6 +25,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from sao_jax import kernels
 from sao_jax import losses
 from sao_jax import sharding
 
@@ -157,6 +158,7 @@ def validate(config: ml_collections.ConfigDict,
     check.non_negative_int(f'optim.{role}.warmup_steps')
     check.positive(f'optim.{role}.grad_clip_norm')
 
+  check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)
 

@@ -88,6 +88,8 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
   mask_BxT, (logp_BxT, mu_BxT, adv_BxT) = _token_inputs(
       where, mask, logp=logp, behavior_logp=behavior_logp,
       advantages=advantages)
+  # mu_t is the rollout engine's record and A_t a target: constants.
+  mu_BxT, adv_BxT = jax.lax.stop_gradient((mu_BxT, adv_BxT))
   log_ratio_BxT = logp_BxT - mu_BxT
   ratio_BxT = jnp.exp(log_ratio_BxT)
   below_BxT = mask_BxT & (ratio_BxT <= 1.0 - eps_low)
@@ -145,6 +147,7 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
     raise ValueError(f'{where}: dual_clip must be > 1 or None, got {dual_clip}')
   mask_BxT, (logp_BxT, old_BxT, adv_BxT) = _token_inputs(
       where, mask, logp=logp, old_logp=old_logp, advantages=advantages)
+  old_BxT, adv_BxT = jax.lax.stop_gradient((old_BxT, adv_BxT))
   log_ratio_BxT = logp_BxT - old_BxT
   ratio_BxT = jnp.exp(log_ratio_BxT)
   unclipped_BxT = -adv_BxT * ratio_BxT
@@ -247,16 +250,27 @@ def explained_variance(values, returns, mask):
   return jnp.where(var_returns > 0, ev, jnp.nan)
 
 
-def _token_inputs(where, mask, **arrays):
-  """Checks `[B, T]` float arrays against the mask; returns them sanitised f32."""
+def check_token_inputs(where, mask, **arrays):
+  """Checks `[B, T]` float arrays against the mask (shared with the kernels).
+
+  Returns:
+    `(mask_BxT bool, arrays)`, the arrays cast to their common float dtype.
+  """
   array_checks.require_rank(where, 'mask', mask, '[B, T]')
   shape = tuple(jnp.shape(mask))
   for name, x in arrays.items():
     array_checks.require_shape(where, name, x, shape, '[B, T] (the mask shape)')
     array_checks.require_float(where, name, x)
-  mask_BxT = jnp.asarray(mask).astype(bool)
+  dtype = jnp.result_type(*arrays.values())
+  return (jnp.asarray(mask).astype(bool),
+          tuple(jnp.asarray(x, dtype) for x in arrays.values()))
+
+
+def _token_inputs(where, mask, **arrays):
+  """Checked `[B, T]` arrays, sanitised (0 off the mask) and in float32."""
+  mask_BxT, checked = check_token_inputs(where, mask, **arrays)
   return mask_BxT, tuple(
-      jnp.where(mask_BxT, jnp.asarray(x, _F32), 0.0) for x in arrays.values())
+      jnp.where(mask_BxT, jnp.asarray(x, _F32), 0.0) for x in checked)
 
 
 def _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT):

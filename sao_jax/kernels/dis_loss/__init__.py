@@ -1,0 +1,1 @@
+"""The DIS policy loss: reference (XLA) and fused Pallas TPU kernels."""

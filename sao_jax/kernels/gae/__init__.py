@@ -1,0 +1,1 @@
+"""Skip-observation GAE: reference (XLA) and Pallas TPU kernel."""

@@ -1,0 +1,9 @@
+"""The definition of skip-observation GAE: `sao_jax.advantages`.
+
+The plain-JAX recurrence in `sao_jax.advantages.skip_observation_gae` is the
+reference every implementation is tested against; it runs under XLA anywhere.
+"""
+
+from sao_jax import advantages
+
+skip_observation_gae = advantages.skip_observation_gae

@@ -1,0 +1,162 @@
+"""Every kernel implementation against its reference: forward and gradient.
+
+The Pallas kernels run in interpret mode here (CPU); the Mosaic compile for
+real TPUs is checked in test_tpu_compile.py. Shapes are small and not
+multiples of the blocks, with blocks small enough that rows span several time
+blocks (the GAE carry and the DIS accumulators cross block boundaries).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax import advantages
+from sao_jax import config_lib
+from sao_jax import kernels
+from sao_jax import losses
+
+IMPLEMENTATIONS = ['xla', 'pallas']
+DTYPES = {'f32': (jnp.float32, 1e-5), 'bf16': (jnp.bfloat16, 1e-2)}
+
+
+def ragged_mask(rng, batch, length):
+  """Random action runs with observation runs, incl. the edge cases."""
+  mask = rng.random((batch, length)) < 0.6
+  mask[0] = False  # all masked
+  mask[1, :40] = False  # observation run at the start
+  mask[2, -70:] = False  # observation run (or padding) at the end
+  mask[3] = True  # all actions
+  return mask
+
+
+def gae_inputs(seed, batch=6, length=300, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  rewards = rng.normal(size=(batch, length)).astype(np.float32)
+  values = rng.normal(size=(batch, length)).astype(np.float32)
+  lam = rng.uniform(0.0, 1.0, size=batch).astype(np.float32)
+  return (jnp.asarray(rewards, dtype), jnp.asarray(values, dtype),
+          ragged_mask(rng, batch, length), lam)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('dtype', list(DTYPES))
+@pytest.mark.parametrize('gamma', [1.0, 0.95])
+def test_gae_matches_reference(implementation, dtype, gamma):
+  rewards, values, mask, lam = gae_inputs(0, dtype=DTYPES[dtype][0])
+  got = kernels.skip_observation_gae(rewards, values, mask, gamma, lam,
+                                     implementation=implementation,
+                                     block_t=128)
+  want = advantages.skip_observation_gae(rewards, values, mask, gamma, lam)
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.float32 and g.shape == w.shape
+    # Both upcast bf16 inputs to f32: the results agree to f32 rounding.
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(g)[~mask], 0.0)
+
+
+def test_gae_kernel_scalar_lambda_and_nan_off_actions():
+  rewards, values, mask, _ = gae_inputs(1, batch=5, length=131)
+  rewards = jnp.where(mask, rewards, jnp.nan)  # junk off the actions
+  values = jnp.where(mask, values, jnp.inf)
+  got = kernels.skip_observation_gae(rewards, values, mask, 1.0, 0.9,
+                                     implementation='pallas')
+  want = advantages.skip_observation_gae(rewards, values, mask, 1.0, 0.9)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+def dis_inputs(seed, batch=10, length=300, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  logp = -rng.uniform(0.05, 3.0, size=(batch, length))
+  behaviour = logp + rng.normal(scale=0.7, size=logp.shape)
+  adv = rng.normal(size=logp.shape)
+  cast = lambda x: jnp.asarray(x.astype(np.float32), dtype)
+  return cast(logp), cast(behaviour), cast(adv), ragged_mask(rng, batch, length)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('dtype', list(DTYPES))
+@pytest.mark.parametrize('aggregation', list(losses.AGGREGATIONS))
+def test_dis_forward_and_gradient_match_reference(implementation, dtype,
+                                                  aggregation):
+  dt, tol = DTYPES[dtype]
+  logp, mu, adv, mask = dis_inputs(2, dtype=dt)
+
+  def run(fn, **kw):
+    return jax.value_and_grad(
+        lambda lp: fn(lp, mu, adv, mask, 0.3, 5.0, aggregation, **kw),
+        has_aux=True)(logp)
+
+  (loss, metrics), grad = run(kernels.dis_policy_loss,
+                              implementation=implementation, block_b=32,
+                              block_t=128)
+  (want_loss, want_metrics), want_grad = run(losses.dis_policy_loss)
+  assert metrics['frac_below'] > 0 and metrics['frac_above'] > 0
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
+  for name, value in want_metrics.items():
+    np.testing.assert_allclose(metrics[name], value, rtol=1e-5, err_msg=name)
+  assert grad.dtype == logp.dtype
+  np.testing.assert_allclose(np.asarray(grad, np.float32),
+                             np.asarray(want_grad, np.float32),
+                             rtol=tol, atol=tol * np.abs(want_grad).max())
+
+
+def test_dis_kernel_zero_gradient_outside_band_and_empty_batch():
+  mu = jnp.zeros((1, 3))
+  logp = jnp.log(jnp.array([[0.5, 1.0, 7.0]]))
+  for sign in (1.0, -1.0):
+    grad = jax.grad(lambda lp: kernels.dis_policy_loss(
+        lp, mu, jnp.full((1, 3), sign), jnp.ones((1, 3)), 0.3, 5.0,
+        implementation='pallas')[0])(logp)
+    np.testing.assert_allclose(grad, [[0.0, -sign / 3, 0.0]], rtol=1e-6)
+  z = jnp.zeros((2, 5))
+  loss, metrics = kernels.dis_policy_loss(z, z, z, jnp.zeros((2, 5)), 0.3,
+                                          5.0, implementation='pallas')
+  assert loss == 0.0 and metrics['num_tokens'] == 0.0
+  assert metrics['ratio_min'] == 1.0 and metrics['ratio_max'] == 1.0
+
+
+def test_bad_implementation_and_blocks_are_clear_errors():
+  logp, mu, adv, mask = dis_inputs(3, batch=4, length=20)
+  with pytest.raises(ValueError, match="implementation='cuda' is not one of"):
+    kernels.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
+                            implementation='cuda')
+  with pytest.raises(ValueError, match=r'block \(32, 100\) is not a multiple'
+                     r' of the TPU tile \(32, 128\)'):
+    kernels.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
+                            implementation='pallas', block_t=100)
+  # An oversized block is refused before Mosaic sees it.
+  with pytest.raises(ValueError, match=r'block \(4096, 65536\) needs .* MiB of'
+                     r' VMEM .* over the 32 MiB budget; use a smaller block'):
+    kernels.skip_observation_gae(*gae_inputs(4, batch=4, length=20)[:3], 1.0,
+                                 1.0, implementation='pallas', block_b=4096,
+                                 block_t=65536)
+  with pytest.raises(ValueError, match='values has shape'):
+    kernels.skip_observation_gae(logp, logp[:, :5], mask, 1.0, 1.0,
+                                 implementation='pallas')
+
+
+def test_config_switches_implementation_with_identical_results():
+  # What the learner does: pass config.kernels.implementation through.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  logp, mu, adv, mask = dis_inputs(5, batch=4, length=140)
+  results = {}
+  for implementation in ('xla', 'pallas'):
+    config = config_lib.load_config(os.path.join(root, 'configs', 'default.py'))
+    config.kernels.implementation = implementation
+    config_lib.validate(config, num_devices=1)
+    (loss, _), grad = jax.value_and_grad(
+        lambda lp, c=config: kernels.dis_policy_loss(
+            lp, mu, adv, mask, c.policy_loss.eps_low, c.policy_loss.eps_high,
+            c.policy_loss.aggregation,
+            implementation=c.kernels.implementation), has_aux=True)(logp)
+    adv_gae, _ = kernels.skip_observation_gae(
+        adv, logp, mask, config.advantage.gamma, 0.9,
+        implementation=config.kernels.implementation)
+    results[implementation] = (loss, grad, adv_gae)
+  for xla, pallas in zip(results['xla'], results['pallas']):
+    np.testing.assert_allclose(pallas, xla, rtol=1e-5, atol=1e-6)
