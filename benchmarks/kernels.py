@@ -26,12 +26,15 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# Compile-only TPU devices never open a TPU; other processes may hold libtpu.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
-from sao_jax import kernels
-from sao_jax import tpu_aot
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from sao_jax import kernels  # pylint: disable=g-import-not-at-top
+from sao_jax import tpu_aot  # pylint: disable=g-import-not-at-top
 
 HBM_BYTES_PER_SECOND = {'v5e': 819e9, 'v5p': 2765e9, 'h200': 4.8e12,
                         'v6e': 1640e9}

@@ -41,7 +41,8 @@ def devices(topology: str):
     raise RuntimeError(
         f'cannot describe TPU topology {topology!r}: {e}. Compiling for TPU'
         ' without TPUs needs libtpu: pip install "libtpu==0.0.42.*" (the'
-        ' version jax 0.10 pins)') from e
+        ' version jax 0.10 pins); when another process holds libtpu, set'
+        ' ALLOW_MULTIPLE_LIBTPU_LOAD=1') from e
 
 
 def on_device(spec: jax.ShapeDtypeStruct, device) -> jax.ShapeDtypeStruct:

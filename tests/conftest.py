@@ -1,7 +1,8 @@
 """Test session setup.
 
 Eight fake CPU devices are requested before JAX starts, so that sharding tests
-can build real meshes on one CPU. A session that executed no test fails: a
+can build real meshes on one CPU; libtpu may be loaded by several processes
+(compile-only TPU devices, no TPU is ever opened). A session that executed no test fails: a
 suite that silently collects nothing (or skips everything) must not pass CI.
 """
 
@@ -9,6 +10,9 @@ import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The TPU compile tests load libtpu (compile-only); subprocesses that do too
+# (benchmark quick modes) would otherwise fail on libtpu's process lock.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 import pytest  # pylint: disable=g-import-not-at-top
 
