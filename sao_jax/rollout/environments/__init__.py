@@ -1,0 +1,1 @@
+"""Environments: where prompts come from and how replies are rewarded."""

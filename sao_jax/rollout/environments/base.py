@@ -1,0 +1,90 @@
+"""The environment interface every task, tool and code environment implements.
+
+An environment is deterministic in its tasks: `task(split, index)` always
+returns the same task, so a training stream is just a cursor over indices
+(checkpointed and resumed exactly) and a held-out set is the first N indices
+of the eval split. Episodes are driven by the rollout worker:
+
+  messages = env.prompt_messages(task)             # chat messages to start
+  loop:
+    action_text = policy(...)                       # one model turn
+    result = await env.astep(task, turn, action_text)  # observation or end
+    if result.done: reward = result.reward
+    else: append result.observation as a user/tool message (never trained on)
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+SPLITS = ('train', 'eval')
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One prompt instance.
+
+  Attributes:
+    id: unique and stable, e.g. 'chain_sum/train/123'.
+    question: the text posed to the model; also the exact-match key that keeps
+      held-out questions out of training streams.
+    answer: the ground truth the scorer needs (any JSON-able value).
+    metadata: anything else the environment needs (difficulty, tests, ...).
+  """
+  id: str
+  question: str
+  answer: Any = None
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepResult:
+  """What the environment says after one model turn.
+
+  Attributes:
+    done: the episode is over (answer given, or no valid continuation).
+    reward: the outcome reward, set when done (0/1 or a score).
+    observation: text to show the model next (tool output, feedback) when not
+      done; it becomes observation tokens, never trained on.
+    info: details for metrics, e.g. {'correct': bool, 'answer': str}.
+  """
+  done: bool
+  reward: float = 0.0
+  observation: str | None = None
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+  """A source of tasks and a judge of replies."""
+
+  #: Stable name used in configs, ids and metrics.
+  name: str = 'environment'
+  #: Most model turns in one episode (1 for single-turn tasks).
+  max_turns: int = 1
+
+  @abc.abstractmethod
+  def task(self, split: str, index: int) -> Task:
+    """The task at `index` of `split` ('train' or 'eval'); deterministic."""
+
+  @abc.abstractmethod
+  def prompt_messages(self, task: Task) -> list[dict[str, str]]:
+    """Chat messages (`{'role', 'content'}`) that open the episode."""
+
+  @abc.abstractmethod
+  def step(self, task: Task, turn: int, action_text: str) -> StepResult:
+    """Judges the model's turn `turn` (0-based) of an episode on `task`."""
+
+  async def astep(self, task: Task, turn: int, action_text: str) -> StepResult:
+    """`step` for the asyncio rollout workers.
+
+    Environments with real latency (a tool call, a sandboxed program) override
+    it so that one slow episode never blocks the others; the default runs
+    `step` inline, which suits pure-Python judges that take microseconds.
+    """
+    return self.step(task, turn, action_text)
+
+  def on_policy_step(self, step: int) -> None:
+    """Told the learner's policy step (non-stationary environments use it)."""
+    del step
