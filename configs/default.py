@@ -34,8 +34,36 @@ def get_config(arg=None):
   c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
   c.model.param_dtype = 'float32'
 
+  # The task: a reasoning-gym dataset name, or arith_chain_sum |
+  # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a
+  # sandbox) | jsonl (local prompts through TFDS).
   c.task = ml_collections.ConfigDict()
-  c.task.name = 'chain_sum'  # reasoning-gym task for the demo
+  c.task.name = 'chain_sum'
+  c.task.seed = 0
+  # reasoning-gym dataset parameters (the demo: 2 one-digit terms).
+  c.task.dataset_kwargs = ml_collections.ConfigDict(
+      dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))
+  c.task.answer_format = 'plain'  # plain | tagged | none (prompt instruction)
+  c.task.partial_credit = False  # reasoning-gym's partial scores as reward
+  c.task.num_terms = 2  # arith_chain_sum / calculator operands
+  c.task.digits = 3  # arith_chain_sum / calculator operand digits
+  c.task.held_out = 200  # eval problems (questions excluded from training)
+  c.task.calculator = ml_collections.ConfigDict(dict(
+      operators='+*', max_turns=4, max_calls_per_turn=4,
+      tool_delay_median_s=0.0, tool_delay_sigma=1.0,
+      tool_delay_max_s=0.0))  # heavy-tailed simulated tool latency; 0: none
+  c.task.humaneval_eval_size = 40
+  c.task.humaneval_max_turns = 1
+  c.task.sandbox = ml_collections.ConfigDict(dict(
+      mode='auto', timeout_s=10.0, cpu_s=10, memory_mb=1024, max_file_mb=16,
+      max_procs=32, max_concurrent_runs=0))  # 0: one per CPU
+  c.task.jsonl = ml_collections.ConfigDict(dict(
+      path='', scorer='math_verify', eval_fraction=0.1, eval_path='',
+      cache_dir=''))
+  # Online learning (SAO.md §5): the rewarded answer format switches.
+  c.task.nonstationary = ml_collections.ConfigDict(dict(
+      enabled=False, formats=('statement', 'equation', 'statement'),
+      switch_steps=(100, 200)))
 
   c.batch_size = 32  # B: trajectories per policy step (prompts x G)
   c.group_size = 1  # G: samples per prompt; 1 is SAO's single rollout
@@ -95,10 +123,38 @@ def get_config(arg=None):
   # Device mesh: data x fsdp x tensor; -1 takes the devices the others leave.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
 
-  # Asynchrony (SAO.md §2).
+  # Rollouts: JetStream servers, sampling, asynchrony (SAO.md §2).
   c.rollout = ml_collections.ConfigDict()
   c.rollout.max_staleness = 2  # learner_version - oldest token version bound
   c.rollout.sync_every = 1  # push weights to servers every N policy steps
+  # Servers: '' starts num_servers local ones on loopback; otherwise a comma
+  # separated list of host:port of running `python -m sao_jax.serve`.
+  c.rollout.server_addresses = ''
+  c.rollout.num_servers = 2
+  c.rollout.bind_host = '127.0.0.1'  # where serve listens (0.0.0.0 for pods)
+  c.rollout.admin_secret_file = ''  # else $SAO_ADMIN_SECRET
+  # Engine shape (per server).
+  c.rollout.max_concurrent_decodes = 8  # decode slots
+  c.rollout.max_prefill_length = 256  # a JetStream padding bucket
+  c.rollout.max_target_length = 512  # KV cache per slot: prompt + generation
+  # GRPO groups of single-turn tasks as one request with samples_per_slot = G
+  # (one prefill for the group); multi-turn episodes need separate requests.
+  c.rollout.group_in_one_request = False
+  # Sampling distribution; the learner recomputes log-probs under the same.
+  c.rollout.temperature = 1.0
+  c.rollout.top_k = 0  # 0: off
+  c.rollout.top_p = 1.0  # 1: off
+  # Client.
+  c.rollout.max_in_flight_per_server = 16  # the server never refuses load
+  c.rollout.request_deadline_s = 300.0
+  c.rollout.max_retries = 3  # re-sends to another live server on UNAVAILABLE
+  # Host-side queue between workers and the learner.
+  c.rollout.queue_capacity = 0  # finished trajectories held; 0: admission bounds it
+  c.rollout.logprob_tolerance = 1e-3  # mu_t > this is a malformed trajectory
+  c.rollout.num_workers = 32  # concurrent episodes per host (admission-gated)
+  # Episodes.
+  c.rollout.max_new_tokens = 64  # per model turn
+  c.rollout.max_sequence_length = 512  # T of a batch: prompt+actions+observations
 
   _apply_algorithm_presets(c)
   return c

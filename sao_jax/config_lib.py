@@ -28,6 +28,7 @@ from ml_collections import config_flags
 from sao_jax import kernels
 from sao_jax import losses
 from sao_jax import sharding
+from sao_jax.rollout.environments import registry
 
 # Algorithm name -> the advantage estimator and policy loss it is made of, and
 # whether it trains a critic. `validate` checks a config against this table;
@@ -44,6 +45,11 @@ ESTIMATORS = ('skip_observation_gae', 'grpo', 'dr_grpo', 'running_mean')
 POLICY_LOSSES = ('dis', 'ppo')
 RUNNING_MEAN_SCOPES = ('prompt', 'global')
 DTYPES = ('float32', 'bfloat16')
+# JetStream 0.2.2's prefill padding lengths (its engine contract requires
+# max_prefill_length to be one of them); kept here so that validating a config
+# does not import JetStream, which pulls in TensorFlow.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                   32768)
 
 
 class ConfigError(ValueError):
@@ -158,6 +164,12 @@ def validate(config: ml_collections.ConfigDict,
     check.non_negative_int(f'optim.{role}.warmup_steps')
     check.positive(f'optim.{role}.grad_clip_norm')
 
+  task_name = check.get('task.name')
+  if task_name is not None:
+    problem = registry.check_name(task_name)
+    if problem:
+      problems.append(problem)
+  check.non_negative_int('task.held_out')
   check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)
@@ -171,8 +183,46 @@ def validate(config: ml_collections.ConfigDict,
     problems.append(f'config.group_size={group}: advantage estimator'
                     f' {estimator!r} needs groups of at least 2 samples')
 
-  check.non_negative_int('rollout.max_staleness')
-  check.positive_int('rollout.sync_every')
+  staleness = check.non_negative_int('rollout.max_staleness')
+  sync_every = check.positive_int('rollout.sync_every')
+  if staleness is not None and sync_every and staleness < sync_every - 1:
+    problems.append(
+        f'config.rollout.max_staleness={staleness} must be >='
+        f' config.rollout.sync_every - 1 = {sync_every - 1}: with weights'
+        ' pushed every sync_every steps, a smaller bound admits no rollout'
+        ' and the learner waits forever')
+  capacity = check.non_negative_int('rollout.queue_capacity')
+  if capacity and batch and capacity < batch:
+    problems.append(f'config.rollout.queue_capacity={capacity} must be 0 or'
+                    f' >= config.batch_size={batch}')
+  check.positive('rollout.logprob_tolerance')
+  check.positive_int('rollout.num_workers')
+  check.positive_int('rollout.max_concurrent_decodes')
+  check.positive_int('rollout.max_in_flight_per_server')
+  check.positive_int('rollout.max_new_tokens')
+  check.non_negative_int('rollout.max_retries')
+  check.positive('rollout.request_deadline_s')
+  check.non_negative('rollout.temperature')
+  check.non_negative_int('rollout.top_k')
+  top_p = check.get('rollout.top_p')
+  if top_p is not None and not 0 < top_p <= 1:
+    problems.append(f'config.rollout.top_p={top_p} must be in (0, 1]')
+  prefill = check.get('rollout.max_prefill_length')
+  target = check.get('rollout.max_target_length')
+  sequence = check.positive_int('rollout.max_sequence_length')
+  if prefill is not None and prefill not in PREFILL_BUCKETS:
+    problems.append(f'config.rollout.max_prefill_length={prefill} must be one'
+                    f" of JetStream's padding buckets {PREFILL_BUCKETS}")
+  if prefill and target and target <= prefill:
+    problems.append(f'config.rollout.max_target_length={target} must exceed'
+                    f' config.rollout.max_prefill_length={prefill}')
+  if sequence and target and sequence > target:
+    problems.append(f'config.rollout.max_sequence_length={sequence} must be'
+                    f' <= config.rollout.max_target_length={target} (the'
+                    ' server cache holds the whole sequence)')
+  if check.get('rollout.group_in_one_request') and group and group < 2:
+    problems.append('config.rollout.group_in_one_request needs'
+                    ' config.group_size >= 2')
 
   mesh = {}
   try:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import jax
+import numpy as np
+from flax import nnx
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 # Axes over which the global batch is split.
 BATCH_AXES = ('data', 'fsdp')
@@ -58,3 +62,77 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, in
 def batch_parallelism(sizes: Mapping[str, int]) -> int:
   """Number of batch shards: the product of the `BATCH_AXES` sizes."""
   return math.prod(sizes[a] for a in BATCH_AXES)
+
+
+# Logical parameter/activation axis -> mesh axes. Parameters shard their
+# `embed` dimension over fsdp (ZeRO-3 style) and their head / MLP / vocab
+# dimensions over tensor (Megatron style); the layer axis of the stacked blocks
+# is never sharded. Overridable per recipe through config.sharding_rules.
+DEFAULT_RULES = (
+    ('batch', ('data', 'fsdp')),
+    ('layers', None),
+    ('embed', 'fsdp'),
+    ('mlp', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('head_dim', None),
+    ('vocab', 'tensor'),
+    ('norm', None),
+    ('cache_length', None),
+)
+
+
+def logical_to_spec(logical_axes, shape, mesh, rules=DEFAULT_RULES):
+  """A PartitionSpec for an array with `logical_axes` names on `mesh`.
+
+  A logical axis maps to the mesh axes its rule names, skipping mesh axes of
+  size 1 and any mesh axis already used by an earlier dimension. A dimension
+  that the mapped axes do not divide evenly is left unsharded (replicated)
+  rather than padded: e.g. SmolLM2's 3 KV heads on a 2-way tensor axis.
+  """
+  table = dict(rules)
+  used = set()
+  spec = []
+  for name, size in zip(logical_axes, shape):
+    target = table.get(name)
+    if target is None:
+      spec.append(None)
+      continue
+    axes = tuple(a for a in ((target,) if isinstance(target, str) else target)
+                 if mesh.shape.get(a, 1) > 1 and a not in used)
+    ways = math.prod(mesh.shape[a] for a in axes)
+    if not axes or size % ways:
+      spec.append(None)
+      continue
+    used.update(axes)
+    spec.append(axes[0] if len(axes) == 1 else axes)
+  return jax.sharding.PartitionSpec(*spec)
+
+
+def state_shardings(state, mesh, rules=DEFAULT_RULES):
+  """NamedShardings for an nnx State whose Variables carry `logical_axes`.
+
+  Variables without the metadata (counters, RNG state) are replicated.
+  """
+  def one(var):
+    value = var[...] if isinstance(var, nnx.Variable) else var
+    axes = (var.get_metadata().get('logical_axes')
+            if isinstance(var, nnx.Variable) else None)
+    if axes is None:
+      spec = jax.sharding.PartitionSpec()
+    else:
+      spec = logical_to_spec(axes, value.shape, mesh, rules)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return var.replace(sharding) if isinstance(var, nnx.Variable) else sharding
+
+  return jax.tree.map(one, state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_mesh(sizes, devices=None):
+  """A `jax.sharding.Mesh` with the `MESH_AXES` at the resolved `sizes`."""
+  devices = jax.devices() if devices is None else devices
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  grid = np.asarray(devices).reshape(shape)
+  return jax.sharding.Mesh(grid, MESH_AXES,
+                           axis_types=(jax.sharding.AxisType.Auto,) * 3)

@@ -16,6 +16,8 @@ os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 import pytest  # pylint: disable=g-import-not-at-top
 
+from sao_jax.models import tiny  # pylint: disable=g-import-not-at-top
+
 _executed = {'count': 0}
 
 
@@ -30,3 +32,16 @@ def pytest_sessionfinish(session, exitstatus):
   if not collect_only and _executed['count'] == 0:
     session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
     print('\nerror: no test was executed; failing the run')
+
+
+@pytest.fixture(scope='session')
+def tiny_checkpoint(tmp_path_factory):
+  """Path of a tiny random Llama checkpoint directory (HF layout)."""
+  return tiny.save(str(tmp_path_factory.mktemp('tiny_llama')))
+
+
+@pytest.fixture(scope='session')
+def tiny_checkpoint_no_eos(tmp_path_factory):
+  """Like `tiny_checkpoint`, but generations always run to max_tokens."""
+  return tiny.save(str(tmp_path_factory.mktemp('tiny_llama_no_eos')),
+                   with_stop=False)

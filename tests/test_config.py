@@ -61,6 +61,11 @@ def test_presets_follow_the_paper():
     ('optim.actor.learning_rate', 0.0, r'config.optim.actor.learning_rate=0.0 must be positive'),
     ('rollout.sync_every', 0, r'config.rollout.sync_every=0 must be >= 1'),
     ('batch_size', 30, r'config.batch_size=30 is not divisible by the data-parallel size 8'),
+    ('rollout.max_prefill_length', 100, r"max_prefill_length=100 must be one of JetStream's padding buckets"),
+    ('rollout.sync_every', 4, r'max_staleness=2 must be >= config.rollout.sync_every - 1 = 3'),
+    ('rollout.top_p', 0.0, r'config.rollout.top_p=0.0 must be in \(0, 1\]'),
+    ('rollout.max_sequence_length', 4096, r'max_sequence_length=4096 must be <= config.rollout.max_target_length=512'),
+    ('kernels.implementation', 'cuda', r"config.kernels.implementation='cuda' is not one of"),
 ])
 def test_validate_names_the_bad_key(key, value, message):
   config = default()

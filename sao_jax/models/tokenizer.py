@@ -243,6 +243,7 @@ class Tokenizer:
     stop += [backend.token_to_id(t) for t in _STOP_TOKENS]
     # Ordered and unique, EOS first: callers may take stop_ids[0] as "the" end.
     self._stop_ids = tuple(dict.fromkeys(i for i in stop if i is not None))
+    self._plain = None  # built on first use by _plain_backend
 
   def _token_id(self, name: str, token: str | None) -> int | None:
     if token is None:
@@ -278,18 +279,30 @@ class Tokenizer:
   def chat_template(self) -> str | None:
     return self._chat_template
 
-  def encode(self, text: str, add_bos: bool = False) -> list[int]:
+  def encode(self, text: str, add_bos: bool = False,
+             allow_special: bool = True) -> list[int]:
     """Token ids of `text`.
 
     Special tokens written in the text (e.g. `<|im_start|>`) become their ids,
     as in Hugging Face, which is what lets a rendered chat prompt be encoded.
-    Nothing is added around the text unless `add_bos` is set and the model has
-    a BOS token.
+    With `allow_special=False` they are tokenized as plain text instead: text
+    from an environment (a tool result, a web page) must not be able to
+    inject an end-of-turn or a fake role marker. Nothing is added around the
+    text unless `add_bos` is set and the model has a BOS token.
     """
-    ids = self.backend.encode(text, add_special_tokens=False).ids
+    backend = self.backend if allow_special else self._plain_backend()
+    ids = backend.encode(text, add_special_tokens=False).ids
     if add_bos and self._bos_id is not None:
       ids = [self._bos_id] + ids
     return ids
+
+  def _plain_backend(self) -> tokenizers.Tokenizer:
+    """A copy of the backend that splits special-token strings as text."""
+    if self._plain is None:
+      plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+      plain.encode_special_tokens = True
+      self._plain = plain
+    return self._plain
 
   def decode(self, ids, skip_special_tokens: bool = False) -> str:
     """The text of `ids` (a list or 1-D array of ints)."""

@@ -1,0 +1,252 @@
+"""asyncio client for a pool of rollout servers: routing, bounds, retries.
+
+JetStream never refuses load (requests pile up in its prefill queue), so the
+client bounds the requests in flight per server and sends each new one to the
+least-loaded live server. A server that fails a call with UNAVAILABLE (killed,
+restarting, unreachable) is marked dead, the request is re-sent from scratch
+to a live one (up to `max_retries` times), and a background probe brings the
+server back when its health check answers again. Every outcome is counted.
+
+Requests are token-in/token-out (`token_content`): the client sends prompt ids
+and reads, per step, `[token, mu_t bits, version]` (see `engine`). It checks
+prompt lengths itself because JetStream truncates over-long prompts silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import jetstream_compat
+
+pb = jetstream_compat.jetstream_pb2
+_log = logging.getLogger(__name__)
+
+# Codes after which the same request may succeed on another server.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL)
+
+
+class RequestFailed(Exception):
+  """A request that did not complete; `reason` is a counter name."""
+
+  def __init__(self, reason: str, message: str = ''):
+    super().__init__(f'{reason}: {message}' if message else reason)
+    self.reason = reason
+
+
+@dataclasses.dataclass
+class Sample:
+  """One generated continuation and what the engine recorded for it."""
+  tokens: list[int]
+  logprobs: list[float]  # behaviour log-probs mu_t
+  versions: list[int]  # policy version per token
+  finish_reason: str  # 'stop' (ended on a stop token) or 'length'
+  server: str = ''
+
+
+def decode_step_ids(ids: Sequence[int]):
+  """Splits one streamed step `[token, bits, version] * k` into its parts."""
+  ids_Kx3 = np.asarray(ids, np.int32).reshape(-1, engine_lib.NUM_COLUMNS)
+  logprobs = ids_Kx3[:, engine_lib.LOGPROB_BITS].view(np.float32)
+  return (ids_Kx3[:, engine_lib.TOKEN].tolist(), logprobs.tolist(),
+          ids_Kx3[:, engine_lib.VERSION].tolist())
+
+
+class _Server:
+  """Client-side state of one server."""
+
+  def __init__(self, address: str, max_in_flight: int):
+    self.address = address
+    self.max_in_flight = max_in_flight
+    self.in_flight = 0
+    self.live = True
+    self.channel = None
+    self.decode = None
+    self.health = None
+
+  def connect(self):
+    self.channel = grpc.aio.insecure_channel(self.address)
+    self.decode = self.channel.unary_stream(
+        '/jetstream_proto.Orchestrator/Decode',
+        request_serializer=pb.DecodeRequest.SerializeToString,
+        response_deserializer=pb.DecodeResponse.FromString)
+    self.health = self.channel.unary_unary(
+        '/jetstream_proto.Orchestrator/HealthCheck',
+        request_serializer=pb.HealthCheckRequest.SerializeToString,
+        response_deserializer=pb.HealthCheckResponse.FromString)
+
+
+class ServerPool:
+  """Least-loaded routing over rollout servers, with bounds and retries.
+
+  Create and use it inside one asyncio event loop.
+  """
+
+  def __init__(self, addresses: Sequence[str], *, max_in_flight_per_server=16,
+               deadline_s=300.0, max_retries=3, stop_ids=(),
+               max_prompt_length: int | None = None, probe_interval_s=1.0):
+    if not addresses:
+      raise ValueError('ServerPool needs at least one server address')
+    self._servers = [_Server(a, max_in_flight_per_server) for a in addresses]
+    self._deadline_s = deadline_s
+    self._max_retries = max_retries
+    self._stop_ids = set(int(s) for s in stop_ids)
+    self._max_prompt_length = max_prompt_length
+    self._probe_interval_s = probe_interval_s
+    self._changed = None  # asyncio.Condition, created in the loop
+    self._probe_task = None
+    self.counters = collections.Counter()
+
+  async def __aenter__(self):
+    self._changed = asyncio.Condition()
+    for server in self._servers:
+      server.connect()
+    self._probe_task = asyncio.create_task(self._probe_dead_servers())
+    return self
+
+  async def __aexit__(self, *exc):
+    await self.close()
+
+  async def close(self):
+    if self._probe_task:
+      self._probe_task.cancel()
+    for server in self._servers:
+      if server.channel is not None:
+        await server.channel.close()
+
+  @property
+  def live_servers(self) -> list[str]:
+    return [s.address for s in self._servers if s.live]
+
+  def in_flight(self) -> dict[str, int]:
+    return {s.address: s.in_flight for s in self._servers}
+
+  async def _acquire(self, deadline: float) -> _Server:
+    """The least-loaded live server with room; waits while all are busy."""
+    async with self._changed:
+      while True:
+        ready = [s for s in self._servers
+                 if s.live and s.in_flight < s.max_in_flight]
+        if ready:
+          server = min(ready, key=lambda s: s.in_flight)
+          server.in_flight += 1
+          return server
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise RequestFailed('deadline_exceeded', 'no server had room')
+        try:
+          await asyncio.wait_for(self._changed.wait(), timeout=remaining)
+        except asyncio.TimeoutError:
+          pass
+
+  async def _release(self, server: _Server, dead: bool = False):
+    async with self._changed:
+      server.in_flight -= 1
+      if dead and server.live:
+        server.live = False
+        self.counters[f'server_marked_dead'] += 1
+        _log.warning('rollout server %s is unavailable; routing around it',
+                     server.address)
+      self._changed.notify_all()
+
+  async def _probe_dead_servers(self):
+    """Brings dead servers back once their health check answers."""
+    while True:
+      await asyncio.sleep(self._probe_interval_s)
+      for server in self._servers:
+        if server.live:
+          continue
+        try:
+          response = await server.health(pb.HealthCheckRequest(), timeout=2.0)
+        except grpc.RpcError:
+          continue
+        if response.is_live:
+          async with self._changed:
+            server.live = True
+            self.counters['server_revived'] += 1
+            self._changed.notify_all()
+          _log.info('rollout server %s is back', server.address)
+
+  async def generate(self, prompt: Sequence[int], max_tokens: int
+                     ) -> list[Sample]:
+    """Generates from `prompt`: one Sample per sample of the server's slots.
+
+    Raises:
+      RequestFailed: with reason 'prompt_too_long', 'deadline_exceeded',
+        'retries_exhausted' or the gRPC status name.
+    """
+    self.counters['requests'] += 1
+    if max_tokens < 1:
+      raise ValueError(f'max_tokens must be >= 1, got {max_tokens}')
+    if self._max_prompt_length and len(prompt) > self._max_prompt_length:
+      self.counters['prompt_too_long'] += 1
+      raise RequestFailed('prompt_too_long',
+                          f'{len(prompt)} > {self._max_prompt_length} tokens')
+    deadline = time.monotonic() + self._deadline_s
+    attempt = 0
+    while True:
+      server = await self._acquire(deadline)
+      dead = False
+      try:
+        samples = await self._decode(server, prompt, max_tokens, deadline)
+        self.counters['completed'] += 1
+        self.counters['tokens'] += sum(len(s.tokens) for s in samples)
+        return samples
+      except grpc.aio.AioRpcError as e:
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+          self.counters['deadline_exceeded'] += 1
+          raise RequestFailed('deadline_exceeded', server.address) from e
+        if code not in _RETRYABLE:
+          self.counters[f'failed_{code.name.lower()}'] += 1
+          raise RequestFailed(code.name.lower(), e.details() or '') from e
+        dead = True
+        attempt += 1
+        self.counters['retried'] += 1
+        if attempt > self._max_retries:
+          self.counters['retries_exhausted'] += 1
+          raise RequestFailed('retries_exhausted', e.details() or '') from e
+      finally:
+        await self._release(server, dead=dead)
+
+  async def _decode(self, server: _Server, prompt, max_tokens, deadline
+                    ) -> list[Sample]:
+    request = pb.DecodeRequest(
+        token_content=pb.DecodeRequest.TokenContent(token_ids=list(prompt)),
+        max_tokens=max_tokens)
+    call = server.decode(request, timeout=max(deadline - time.monotonic(),
+                                              0.001))
+    per_sample: list[list[tuple]] = []
+    async for response in call:
+      for i, sample in enumerate(response.stream_content.samples):
+        while len(per_sample) <= i:
+          per_sample.append([])
+        if sample.token_ids:
+          per_sample[i].append(decode_step_ids(sample.token_ids))
+    results = []
+    for steps in per_sample:
+      tokens, logprobs, versions = [], [], []
+      for t, lp, v in steps:
+        tokens += t
+        logprobs += lp
+        versions += v
+      if versions and versions[0] == engine_lib.PROMPT_TOO_LONG:
+        self.counters['prompt_too_long'] += 1
+        raise RequestFailed('prompt_too_long', 'the server refused it')
+      stopped = bool(tokens) and tokens[-1] in self._stop_ids
+      results.append(Sample(tokens, logprobs, versions,
+                            'stop' if stopped else 'length', server.address))
+    if not results or not any(r.tokens for r in results):
+      self.counters['empty_response'] += 1
+      raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
+                                 details='empty response')
+    return results

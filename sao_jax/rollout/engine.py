@@ -1,0 +1,436 @@
+"""Our policy behind JetStream 0.2.2's `Engine` contract, with mu_t and versions.
+
+JetStream's orchestrator runs prefill, insert and generate threads around an
+Engine and streams each step's tokens to gRPC clients. SAO needs two things the
+protocol does not carry: the behaviour log-prob mu_t of every sampled token and
+the policy version that sampled it. Both ride as extra columns of
+`ResultTokens`, which the orchestrator streams like token ids for token-content
+requests: each step emits `[token, float32 bits of mu_t as int32, version]`.
+
+Sampling happens at the start of `generate`, from logits kept per slot in the
+decode state (prefill leaves the prompt's last logits there; each step then
+feeds the sampled token through the model to refresh them). A token's version
+is that of the forward pass that produced its logits, so a weight swap between
+steps attributes every token correctly; each call reads its `(params, version)`
+pair once, so no step mixes two versions. After a swap, the first step
+recomputes the KV cache and pending logits of every slot whose cache was
+computed by an older version (a full forward over the slot's tokens): the
+tokens it samples are exactly pi_new(a_t | s_t), not a hybrid of new weights
+over a stale cache, so the learner's recomputation of mu_t matches across the
+switch. Weights live in a `WeightsHolder`
+the engine reads on every call (the orchestrator captures `params` once per
+thread, which would pin the first weights forever), swapped atomically by the
+admin service or, in one process, by the learner.
+
+A slot that samples a stop token still emits it (the client sees EOS), then
+turns invalid on the next step, which is how the orchestrator learns it is
+complete: JetStream's own stop-token check would also fire on the log-prob and
+version columns, so the tokenizer it sees declares no stop tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sao_jax import config_lib
+from sao_jax import sharding
+from sao_jax.models import decoding
+from sao_jax.models import pretrained
+from sao_jax.models import sampling
+from sao_jax.models import tokenizer as tokenizer_lib
+from sao_jax.models import transformer
+from sao_jax.rollout import jetstream_compat
+
+engine_api = jetstream_compat.engine_api
+tokenizer_api = jetstream_compat.tokenizer_api
+
+# JetStream prepends a BOS to every token-content prompt without history; the
+# engine's tokenizer reports this sentinel as BOS and prefill strips it, so the
+# prompt reaches the model exactly as the client sent it.
+BOS_SENTINEL = -1
+# Columns of every streamed step.
+TOKEN, LOGPROB_BITS, VERSION = range(3)
+NUM_COLUMNS = 3
+# Version column value when a prompt did not fit max_prefill_length: JetStream
+# truncates silently, so the engine answers with one invalid marker token.
+PROMPT_TOO_LONG = -2
+PREFILL_BUCKETS = config_lib.PREFILL_BUCKETS
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Serving shape.
+
+  Attributes:
+    max_concurrent_decodes: decode slots (continuous batching width).
+    samples_per_slot: G samples per prompt from one prefill (GRPO groups).
+    max_prefill_length: longest prompt, one of JetStream's padding buckets
+      (the BOS JetStream adds counts: prompts may be one token shorter).
+    max_target_length: KV-cache length per slot: prompt plus generation.
+    sampling: the sampling distribution (shared with the learner).
+    stop_ids: tokens that end a sample (emitted, then the slot stops).
+    seed: sampling PRNG seed.
+  """
+  max_concurrent_decodes: int = 8
+  samples_per_slot: int = 1
+  max_prefill_length: int = 256
+  max_target_length: int = 512
+  sampling: sampling.SamplingParams = sampling.SamplingParams()
+  stop_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_prefill_length not in PREFILL_BUCKETS:
+      raise ValueError(
+          f'max_prefill_length={self.max_prefill_length} must be one of'
+          f" JetStream's padding buckets {PREFILL_BUCKETS}")
+    if self.max_target_length <= self.max_prefill_length:
+      raise ValueError(
+          f'max_target_length={self.max_target_length} must exceed'
+          f' max_prefill_length={self.max_prefill_length}')
+    if self.max_concurrent_decodes < 1 or self.samples_per_slot < 1:
+      raise ValueError('max_concurrent_decodes and samples_per_slot must be'
+                       ' >= 1')
+
+
+class WeightsHolder:
+  """The engine's current `(params state, version)`, swapped atomically."""
+
+  def __init__(self, state, version: int):
+    self._lock = threading.Lock()
+    self._current = (state, int(version))
+
+  def get(self):
+    with self._lock:
+      return self._current
+
+  def swap(self, state, version: int) -> None:
+    with self._lock:
+      self._current = (state, int(version))
+
+  @property
+  def version(self) -> int:
+    return self.get()[1]
+
+
+class Prefix(NamedTuple):
+  """A prefilled prompt, ready to insert into a slot."""
+  tokens: jax.Array  # [1, P] int32, the prompt (right-padded)
+  cache: decoding.KVCache  # [L, 1, P, K, D]
+  logits: jax.Array  # [1, V] at the prompt's last token
+  length: jax.Array  # int32 scalar, real prompt tokens
+  version: jax.Array  # int32 scalar, weights version of the prefill
+  too_long: jax.Array  # bool scalar
+
+
+class DecodeState(NamedTuple):
+  """All slots' decoding state (N = slots x samples per slot rows)."""
+  tokens: jax.Array  # [N, S] int32: each row's sequence so far
+  cache: decoding.KVCache  # [L, N, S, K, D]
+  logits: jax.Array  # [N, V] float32: the next token's logits
+  logits_version: jax.Array  # [N] int32: version that computed them
+  positions: jax.Array  # [N] int32: where the next token is written
+  generated: jax.Array  # [N] int32: tokens emitted so far
+  active: jax.Array  # [N] bool: the slot still samples
+  too_long: jax.Array  # [N] bool: report PROMPT_TOO_LONG once
+  key: jax.Array  # PRNG key
+
+
+class _TokenIds(tokenizer_api.Tokenizer):
+  """What the orchestrator sees of the tokenizer (token-in/token-out only)."""
+
+  def __init__(self, tok: tokenizer_lib.Tokenizer):
+    self._tok = tok
+
+  def encode(self, s, **kwargs):
+    raise NotImplementedError('sao_jax servers take token_content requests')
+
+  def decode(self, token_ids, **kwargs):
+    return self._tok.decode(list(token_ids))
+
+  @property
+  def pad_id(self):
+    return self._tok.pad_id if self._tok.pad_id is not None else 0
+
+  @property
+  def eos_id(self):
+    return self._tok.eos_id
+
+  @property
+  def bos_id(self):
+    return BOS_SENTINEL
+
+  @property
+  def stop_tokens(self):
+    return set()  # stops travel as invalid steps; see the module docstring
+
+
+class Engine(engine_api.Engine):
+  """A `transformer.CausalLM` served through JetStream, tensor parallel."""
+
+  def __init__(self, model: transformer.CausalLM,
+               tok: tokenizer_lib.Tokenizer, config: EngineConfig,
+               version: int = 0, devices=None,
+               rules=sharding.DEFAULT_RULES):
+    """Places the model on `devices` (default: all local ones) tensor-parallel.
+
+    Args:
+      model: the policy.
+      tok: its tokenizer (for JetStream's detokenizer and pad/eos ids).
+      config: serving shape and sampling.
+      version: policy version of the initial weights.
+      devices: devices of this engine; the model is sharded over all of them
+        along the `tensor` mesh axis by the learner's logical-axis rules.
+      rules: logical-axis rules (`sao_jax.sharding.DEFAULT_RULES`).
+    """
+    self.config = config
+    self.model_config = model.config
+    self._tok = tok
+    devices = jax.local_devices() if devices is None else devices
+    self._mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=len(devices)),
+                                    devices)
+    self._rules = rules
+    self._graphdef, state = nnx.split(model)
+    self._shardings = sharding.state_shardings(state, self._mesh, rules)
+    self.weights = WeightsHolder(self._place(state), version)
+    self._pad_id = _TokenIds(tok).pad_id
+    self._stop_ids = tuple(int(s) for s in config.stop_ids)
+
+  # -- weights -----------------------------------------------------------
+
+  def _place(self, state):
+    return jax.device_put(state, self._shardings)
+
+  def update_weights(self, state, version: int) -> None:
+    """Swaps in new parameters (an nnx State of the same model) atomically."""
+    self.weights.swap(self._place(state), version)
+
+  def abstract_state(self):
+    """The parameter state's shapes, dtypes and shardings (for restores)."""
+    state, _ = self.weights.get()
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        state)
+
+  @property
+  def version(self) -> int:
+    return self.weights.version
+
+  # -- the Engine contract ----------------------------------------------------
+
+  def load_params(self, *args, **kwargs):
+    del args, kwargs
+    return None  # weights are read from self.weights on every call
+
+  def prefill(self, *, params, existing_prefix=None, padded_tokens,
+              true_length: int) -> Prefix:
+    del params
+    if existing_prefix is not None:
+      raise ValueError('sao_jax engines do not continue prefixes')
+    tokens = np.asarray(padded_tokens)
+    bucket = tokens.shape[-1]
+    # JetStream truncates an over-long prompt to the bucket and still reports
+    # its full length: refuse it rather than generate from a cut prompt.
+    too_long = true_length > bucket
+    start = 1 if tokens[0] == BOS_SENTINEL else 0
+    real = tokens[start:min(true_length, bucket)]
+    padded = np.full((1, bucket), self._pad_id, np.int32)
+    padded[0, :len(real)] = real
+    state, version = self.weights.get()
+    return _prefill(self._graphdef, state, padded,
+                    np.int32(max(len(real), 1)), np.int32(version),
+                    np.bool_(too_long))
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState,
+             slot: int) -> DecodeState:
+    return _insert(self.config.samples_per_slot, prefix, decode_state,
+                   np.int32(slot))
+
+  def generate(self, params, decode_state: DecodeState):
+    del params
+    state, version = self.weights.get()
+    decode_state, data = _generate(
+        self._graphdef, self.config.sampling, self._stop_ids,
+        self.config.max_target_length, state, np.int32(version), decode_state)
+    rows = data.shape[0]
+    return decode_state, engine_api.ResultTokens(
+        data=data,
+        tokens_idx=(0, NUM_COLUMNS),
+        valid_idx=(NUM_COLUMNS, 2 * NUM_COLUMNS),
+        length_idx=(2 * NUM_COLUMNS, 2 * NUM_COLUMNS + 1),
+        samples_per_slot=rows // self.config.max_concurrent_decodes)
+
+  def init_decode_state(self, *args, **kwargs) -> DecodeState:
+    del args, kwargs
+    cfg = self.config
+    rows = cfg.max_concurrent_decodes * cfg.samples_per_slot
+    return DecodeState(
+        tokens=jnp.zeros((rows, cfg.max_target_length), jnp.int32),
+        cache=decoding.init_cache(self.model_config, rows,
+                                  cfg.max_target_length),
+        logits=jnp.zeros((rows, self.model_config.vocab_size), jnp.float32),
+        logits_version=jnp.zeros((rows,), jnp.int32),
+        positions=jnp.zeros((rows,), jnp.int32),
+        generated=jnp.zeros((rows,), jnp.int32),
+        active=jnp.zeros((rows,), bool),
+        too_long=jnp.zeros((rows,), bool),
+        key=jax.random.key(cfg.seed))
+
+  def get_prefix_destination_sharding(self):
+    return None  # interleaved mode: prefixes never move between engines
+
+  def get_tokenizer(self):
+    return jetstream_compat.engine_api.tokenizer_pb2.TokenizerParameters(
+        path='sao_jax')
+
+  def build_tokenizer(self, metadata) -> tokenizer_api.Tokenizer:
+    del metadata
+    return _TokenIds(self._tok)
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.config.max_concurrent_decodes
+
+  @property
+  def samples_per_slot(self) -> int:
+    return self.config.samples_per_slot
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self.config.max_prefill_length
+
+  @property
+  def mesh(self):
+    return self._mesh
+
+  @property
+  def colocated_cpus(self):
+    return None
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(graphdef, state, tokens_1xP, length, version, too_long) -> Prefix:
+  model = nnx.merge(graphdef, state)
+  logits_1xV, cache = decoding.prefill(model, tokens_1xP, length[None])
+  return Prefix(tokens_1xP, cache, logits_1xV, length, version, too_long)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _insert(samples_per_slot, prefix: Prefix, ds: DecodeState,
+            slot) -> DecodeState:
+  """Writes a prefix into the `samples_per_slot` rows of `slot`."""
+  first = slot * samples_per_slot
+  cache = ds.cache
+  for g in range(samples_per_slot):
+    cache = decoding.insert(cache, prefix.cache, first + g)
+  rows = jnp.arange(ds.active.shape[0])
+  mine = (rows >= first) & (rows < first + samples_per_slot)
+  prompt_len = prefix.tokens.shape[1]
+  prompt_NxS = jnp.zeros_like(ds.tokens).at[:, :prompt_len].set(prefix.tokens)
+  return DecodeState(
+      tokens=jnp.where(mine[:, None], prompt_NxS, ds.tokens),
+      cache=cache,
+      logits=jnp.where(mine[:, None], prefix.logits, ds.logits),
+      logits_version=jnp.where(mine, prefix.version, ds.logits_version),
+      positions=jnp.where(mine, prefix.length, ds.positions),
+      generated=jnp.where(mine, 0, ds.generated),
+      active=jnp.where(mine, ~prefix.too_long, ds.active),
+      too_long=jnp.where(mine, prefix.too_long, ds.too_long),
+      key=ds.key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
+def _generate(graphdef, params, stop_ids, cache_len, state, version,
+              ds: DecodeState):
+  """One step for every slot: sample, emit, and feed the token back."""
+  model = nnx.merge(graphdef, state)
+  stale_N = ds.active & (ds.logits_version != version)
+  ds = jax.lax.cond(jnp.any(stale_N),
+                    functools.partial(_refresh, model, version, stale_N),
+                    lambda d: d, ds)
+  key, sub = jax.random.split(ds.key)
+  tokens_N, logp_N = sampling.sample(sub, ds.logits, params)
+  emit_N = ds.active
+  stop_N = jnp.isin(tokens_N, jnp.asarray(stop_ids, jnp.int32)) if stop_ids \
+      else jnp.zeros_like(emit_N)
+  # Feed the token at its position; a slot whose cache is full stops after it.
+  write_N = jnp.minimum(ds.positions, cache_len - 1)
+  logits_NxV, cache = decoding.decode_step(model, ds.cache, tokens_N, write_N)
+  full_N = ds.positions + 1 >= cache_len
+  rows_N = jnp.arange(tokens_N.shape[0])
+  new = DecodeState(
+      tokens=ds.tokens.at[rows_N, write_N].set(
+          jnp.where(emit_N, tokens_N, ds.tokens[rows_N, write_N])),
+      cache=cache,
+      logits=jnp.where(emit_N[:, None], logits_NxV, ds.logits),
+      logits_version=jnp.where(emit_N, version, ds.logits_version),
+      positions=ds.positions + emit_N,
+      generated=ds.generated + emit_N,
+      active=emit_N & ~stop_N & ~full_N,
+      too_long=jnp.zeros_like(ds.too_long),
+      key=key)
+  # A too-long prompt answers once with a marker step, then stops.
+  marker_N = ds.too_long
+  token_col = jnp.where(marker_N, 0, tokens_N)
+  bits_col = jax.lax.bitcast_convert_type(
+      jnp.where(marker_N, 0.0, logp_N).astype(jnp.float32), jnp.int32)
+  version_col = jnp.where(marker_N, PROMPT_TOO_LONG, ds.logits_version)
+  valid = (emit_N | marker_N).astype(jnp.int32)
+  data = jnp.stack([token_col, bits_col, version_col, valid, valid, valid,
+                    new.generated + marker_N], axis=1)
+  return new, data
+
+
+def engine_config(config, tok: tokenizer_lib.Tokenizer) -> EngineConfig:
+  """The serving shape and sampling of a sao_jax config."""
+  r = config.rollout
+  return EngineConfig(
+      max_concurrent_decodes=r.max_concurrent_decodes,
+      samples_per_slot=config.group_size if r.group_in_one_request else 1,
+      max_prefill_length=r.max_prefill_length,
+      max_target_length=r.max_target_length,
+      sampling=sampling.SamplingParams(r.temperature, r.top_k, r.top_p),
+      stop_ids=tuple(tok.stop_ids),
+      seed=config.seed)
+
+
+def build_engine(config, version: int = 0, model=None, tok=None,
+                 devices=None) -> Engine:
+  """An engine for `config.model.source` (or the given model and tokenizer)."""
+  if model is None:
+    model, tok = pretrained.from_pretrained(config.model.source,
+                                            dtype=config.model.dtype,
+                                            param_dtype=config.model.param_dtype)
+  return Engine(model, tok, engine_config(config, tok), version=version,
+                devices=devices)
+
+
+def _refresh(model, version, stale_N, ds: DecodeState) -> DecodeState:
+  """Recomputes the cache and pending logits of `stale_N` rows (new weights).
+
+  A full forward over each row's tokens [0, position) with the current
+  weights: what a fresh prefill of the sequence so far would produce.
+  """
+  rows, length = ds.tokens.shape
+  positions_NxS = jnp.broadcast_to(jnp.arange(length), (rows, length))
+  valid_NxS = positions_NxS < ds.positions[:, None]
+  hidden, (k, v) = model.decoder(ds.tokens, positions_NxS,
+                                 transformer.causal_mask(valid_NxS))
+  last_Nxd = hidden[jnp.arange(rows), jnp.maximum(ds.positions - 1, 0)]
+  logits_NxV = model.logits(last_Nxd[:, None])[:, 0]
+  pick = stale_N[None, :, None, None, None]
+  return ds._replace(
+      cache=decoding.KVCache(jnp.where(pick, k.astype(ds.cache.k.dtype),
+                                       ds.cache.k),
+                             jnp.where(pick, v.astype(ds.cache.v.dtype),
+                                       ds.cache.v)),
+      logits=jnp.where(stale_N[:, None], logits_NxV, ds.logits),
+      logits_version=jnp.where(stale_N, version, ds.logits_version))

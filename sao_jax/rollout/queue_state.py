@@ -1,0 +1,352 @@
+"""The rollout queue's books, and every change to them, none of which waits.
+
+`RolloutQueue` (queue.py) is a `QueueState` that adds what waits or crosses
+threads: admission, backpressure, the learner's batches and blocking calls.
+Here are the slots admitted and in flight, the queued trajectories (ready
+units and partial GRPO groups), the deadlines the admission rule reads, the
+groups released or failed, and the counters behind `stats()` and the
+accounting identity (see queue.py's docstring). Each method is one step that
+runs in the queue's event loop thread, never awaits, and ends by waking the
+waiters (`_notify`) when it changed something they may wait for.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from sao_jax.rollout import trajectory
+from sao_jax.rollout import trajectory_checks
+
+if TYPE_CHECKING:
+  from sao_jax.rollout import queue as queue_lib
+
+# The books include each `queue.Lease`'s slot counts.
+# pylint: disable=protected-access
+
+# The queue's logger: these records are the queue's, whichever module keeps
+# the books.
+_log = logging.getLogger(__package__ + '.queue')
+
+# Rejections logged at WARNING per reason before the rest go to DEBUG: a worker
+# bug repeats on every trajectory and would otherwise flood the log.
+_LOUD_REJECTIONS = 5
+# Group ids remembered as released or failed, to drop their late members.
+_GROUP_MEMORY = 65536
+
+_INT_COUNTERS = (
+    'admitted', 'put', 'accepted', 'rejected', 'cancelled', 'consumed',
+    'batches', 'dropped_stale', 'dropped_stale_groups',
+    'dropped_incomplete_group', 'dropped_groups', 'lost_on_restore',
+    'kept_length_sum', 'dropped_stale_length_sum')
+_FLOAT_COUNTERS = (
+    'learner_wait_seconds', 'admission_wait_seconds', 'put_wait_seconds')
+
+
+@dataclasses.dataclass
+class _Item:
+  """A queued trajectory with what the queue decides on, computed once."""
+  traj: trajectory.Trajectory
+  oldest: int
+  deadline: int  # the last learner version that may consume it
+  length: int
+
+
+class QueueState:
+  """What `RolloutQueue` knows, and its changes (see the module docstring)."""
+
+  def __init__(self, batch_size: int, max_staleness: int, vocab_size: int,
+               max_length: int, group_size: int, capacity: int | None,
+               logprob_tolerance: float):
+    """Empty books at learner and rollout version 0 (arguments: see
+    `RolloutQueue`, which checks them)."""
+    self.batch_size = int(batch_size)
+    self.max_staleness = int(max_staleness)
+    self.vocab_size = int(vocab_size)
+    self.max_length = int(max_length)
+    self.group_size = int(group_size)
+    self.capacity = None if capacity is None else int(capacity)
+    self.logprob_tolerance = float(logprob_tolerance)
+
+    self._learner_version = 0
+    self._rollout_version = 0
+    self._batches_since_version = 0  # batches taken since set_learner_version
+    self._closed = False
+    self._in_flight = 0
+    self._queued = 0  # accepted, not consumed or dropped: ready + partial
+    self._ready: collections.deque[list[_Item]] = collections.deque()
+    self._ready_count = 0
+    self._partial: dict[Any, list[_Item]] = {}  # group id -> members so far
+    # group id -> 'released' | 'failed', oldest forgotten first.
+    self._finished_groups: collections.OrderedDict[Any, str] = (
+        collections.OrderedDict())
+    # Deadlines of outstanding trajectories (a multiset; few distinct keys).
+    self._deadlines: collections.Counter[int] = collections.Counter()
+    self._blocked_puts = 0
+    self._stale_drop_events = 0  # for rate-limiting their log lines
+
+    self._counters: dict[str, float] = {k: 0 for k in _INT_COUNTERS}
+    self._counters.update({k: 0.0 for k in _FLOAT_COUNTERS})
+    self._rejected: collections.Counter[str] = collections.Counter()
+    self._staleness: collections.Counter[int] = collections.Counter()
+
+  def _notify(self) -> None:
+    """Tells the waiters that the books changed: the waiters are
+    `RolloutQueue`'s, which overrides this."""
+
+  def _cancel(self, lease: queue_lib.Lease, count: int | None) -> int:
+    """Gives back open slots of `lease`; see `Lease.cancel`."""
+    count = lease._open if count is None else min(int(count), lease._open)
+    if count <= 0:
+      return 0
+    lease._open -= count
+    self._counters['cancelled'] += count
+    self._release_slots(lease, count)
+    if self.group_size > 1 and lease.group_id is not None:
+      self._fail_group(lease.group_id)
+    self._lease_progress(lease)
+    self._notify()
+    return count
+
+  def _headroom(self) -> int:
+    """How many rollouts admission lets start now (may be negative)."""
+    deadline = self._rollout_version + self.max_staleness
+    if self._deadlines:
+      deadline = min(deadline, min(self._deadlines))
+    outstanding = self._in_flight + self._queued
+    return (deadline - self._next_version() + 1) * self.batch_size - outstanding
+
+  def _next_version(self) -> int:
+    """The learner version the next batch will be trained at.
+
+    Between taking a batch and reporting its new version the learner is a
+    step ahead of what it last said; without assuming so, admission would
+    start rollouts in that window that the next batch finds too stale.
+    """
+    return self._learner_version + self._batches_since_version
+
+  def _group_reason(self, lease: queue_lib.Lease, group) -> str | None:
+    if group is None:
+      return 'missing_group_id'
+    if group is _UNHASHABLE:
+      return 'malformed'
+    if lease.group_id is not None and group != lease.group_id:
+      return 'group_mismatch'
+    if self._finished_groups.get(group) == 'released':
+      return 'group_overflow'
+    return None
+
+  def _reject(self, lease: queue_lib.Lease, traj, reason: str, group) -> None:
+    self._counters['put'] += 1
+    self._counters['rejected'] += 1
+    self._rejected[reason] += 1
+    self._release_slots(lease, 1)
+    count = self._rejected[reason]
+    level = logging.WARNING if count <= _LOUD_REJECTIONS else logging.DEBUG
+    _log.log(level, 'rollout queue rejected a trajectory of prompt %r: %s'
+             ' (%d so far)%s', getattr(traj, 'prompt_id', None), reason, count,
+             '; further ones at DEBUG' if count == _LOUD_REJECTIONS else '')
+    if self.group_size > 1:
+      # The lost member's group cannot complete: drop its queued members now
+      # rather than when the lease resolves.
+      lost = lease.group_id
+      if lost is None and group not in (None, _UNHASHABLE):
+        lost = group
+      if lost is not None and self._finished_groups.get(lost) != 'released':
+        self._fail_group(lost)
+    self._lease_progress(lease)
+    self._notify()
+
+  def _accept(self, lease: queue_lib.Lease, traj: trajectory.Trajectory,
+              group) -> bool:
+    self._counters['put'] += 1
+    self._counters['accepted'] += 1
+    self._release_slots(lease, 1)
+    oldest = traj.oldest_version
+    item = _Item(traj, oldest, oldest + self.max_staleness, traj.length)
+    kept = True
+    if self.group_size == 1:
+      self._enqueue(item)
+      self._ready.append([item])
+      self._ready_count += 1
+    elif self._finished_groups.get(group) == 'failed':
+      self._counters['dropped_incomplete_group'] += 1
+      kept = False
+    else:
+      lease._groups.add(group)
+      self._enqueue(item)
+      members = self._partial.setdefault(group, [])
+      members.append(item)
+      if len(members) == self.group_size:
+        del self._partial[group]
+        self._ready.append(members)
+        self._ready_count += len(members)
+        self._remember_group(group, 'released')
+    self._lease_progress(lease)
+    self._notify()
+    return kept
+
+  def _enqueue(self, item: _Item) -> None:
+    self._queued += 1
+    self._deadlines[item.deadline] += 1
+
+  def _dequeue(self, item: _Item) -> None:
+    self._queued -= 1
+    self._discard_deadline(item.deadline, 1)
+
+  def _release_slots(self, lease: queue_lib.Lease, count: int) -> None:
+    self._in_flight -= count
+    self._discard_deadline(lease.deadline, count)
+
+  def _discard_deadline(self, deadline: int, count: int) -> None:
+    self._deadlines[deadline] -= count
+    if self._deadlines[deadline] <= 0:
+      del self._deadlines[deadline]
+
+  def _lease_progress(self, lease: queue_lib.Lease) -> None:
+    """Once every slot of a lease is resolved, a group it left incomplete
+    can never complete: drop it rather than keep it queued forever."""
+    if self.group_size == 1 or lease._open or lease._pending:
+      return
+    groups = set(lease._groups)
+    if lease.group_id is not None:
+      groups.add(lease.group_id)
+    for group in groups:
+      if group in self._partial or group == lease.group_id:
+        if self._finished_groups.get(group) is None:
+          self._fail_group(group)
+
+  def _fail_group(self, group) -> None:
+    if self._finished_groups.get(group) is not None:
+      return
+    for item in self._partial.pop(group, []):
+      self._dequeue(item)
+      self._counters['dropped_incomplete_group'] += 1
+    self._counters['dropped_groups'] += 1
+    self._remember_group(group, 'failed')
+    _log.debug('rollout queue dropped incomplete group %r', group)
+
+  def _remember_group(self, group, outcome: str) -> None:
+    self._finished_groups[group] = outcome
+    self._finished_groups.move_to_end(group)
+    while len(self._finished_groups) > _GROUP_MEMORY:
+      self._finished_groups.popitem(last=False)
+
+  def _drop_stale(self, version: int) -> None:
+    """Drops ready units (trajectories or whole groups) too stale at
+    `version`: the last resort, when admission could not keep the bound."""
+    if not any(version - item.oldest > self.max_staleness
+               for unit in self._ready for item in unit):
+      return
+    kept = collections.deque()
+    for unit in self._ready:
+      if all(version - item.oldest <= self.max_staleness for item in unit):
+        kept.append(unit)
+        continue
+      for item in unit:
+        self._dequeue(item)
+        self._counters['dropped_stale'] += 1
+        self._counters['dropped_stale_length_sum'] += item.length
+      self._ready_count -= len(unit)
+      if self.group_size > 1:
+        self._counters['dropped_stale_groups'] += 1
+      self._stale_drop_events += 1
+      loud = self._stale_drop_events <= _LOUD_REJECTIONS
+      _log.log(logging.WARNING if loud else logging.DEBUG,
+               'rollout queue dropped %d stale trajectories (oldest version'
+               ' %d at learner version %d, max_staleness %d; %d so far)',
+               len(unit), min(item.oldest for item in unit), version,
+               self.max_staleness, self._counters['dropped_stale'])
+    self._ready = kept
+    self._notify()
+
+  def _take(self, version: int) -> list[trajectory.Trajectory]:
+    batch = []
+    while len(batch) < self.batch_size:
+      for item in self._ready.popleft():
+        self._dequeue(item)
+        self._ready_count -= 1
+        self._staleness[version - item.oldest] += 1
+        self._counters['consumed'] += 1
+        self._counters['kept_length_sum'] += item.length
+        batch.append(item.traj)
+    self._counters['batches'] += 1
+    self._batches_since_version += 1
+    self._notify()
+    return batch
+
+  def _set_learner_version(self, version: int) -> None:
+    self._learner_version = version
+    self._batches_since_version = 0
+    self._notify()
+
+  def _set_rollout_version(self, version: int) -> None:
+    self._rollout_version = version
+    self._notify()
+
+  def _close(self) -> None:
+    self._closed = True
+    self._notify()
+
+  def _stats(self) -> dict[str, float]:
+    c = self._counters
+    out = {k: c[k] for k in _INT_COUNTERS + _FLOAT_COUNTERS
+           if not k.endswith('_length_sum')}
+    out.update(
+        in_flight=self._in_flight, queued=self._queued,
+        ready=self._ready_count, partial_groups=len(self._partial),
+        blocked_puts=self._blocked_puts,
+        admission_headroom=self._headroom(),
+        learner_version=self._learner_version,
+        rollout_version=self._rollout_version,
+        max_consumed_staleness=max(self._staleness, default=0),
+        kept_mean_length=c['kept_length_sum'] / max(c['consumed'], 1),
+        dropped_stale_mean_length=(c['dropped_stale_length_sum'] /
+                                   max(c['dropped_stale'], 1)))
+    for reason in trajectory_checks.REJECT_REASONS:
+      out[f'rejected/{reason}'] = self._rejected[reason]
+    for staleness, count in sorted(self._staleness.items()):
+      out[f'staleness/{staleness}'] = count
+    return out
+
+  def _state_dict(self) -> dict[str, Any]:
+    return {
+        'counters': dict(self._counters),
+        'rejected': dict(self._rejected),
+        'staleness': {str(k): v for k, v in self._staleness.items()},
+        'in_flight': self._in_flight,
+        'queued': self._queued,
+    }
+
+  def _load_state_dict(self, state: dict[str, Any]) -> None:
+    if self._in_flight or self._queued:
+      raise ValueError('RolloutQueue.load_state_dict: the queue is in use'
+                       f' ({self._in_flight} in flight, {self._queued}'
+                       ' queued); restore into a fresh one')
+    counters = {k: 0 for k in _INT_COUNTERS}
+    counters.update({k: 0.0 for k in _FLOAT_COUNTERS})
+    for key, value in state['counters'].items():
+      if key in counters:
+        counters[key] = type(counters[key])(value)
+    counters['lost_on_restore'] += int(state['in_flight']) + int(
+        state['queued'])
+    self._counters = counters
+    self._rejected = collections.Counter(
+        {k: int(v) for k, v in state['rejected'].items()})
+    self._staleness = collections.Counter(
+        {int(k): int(v) for k, v in state['staleness'].items()})
+
+
+_UNHASHABLE = object()
+
+
+def group_key(traj) -> Any:
+  """The group id as a dict key; `_UNHASHABLE` if it cannot be one."""
+  group = getattr(traj, 'group_id', None)
+  try:
+    hash(group)
+  except TypeError:
+    return _UNHASHABLE
+  return group

@@ -1,0 +1,76 @@
+r"""Serves the policy with JetStream: `python -m sao_jax.serve`.
+
+  SAO_ADMIN_SECRET=... python -m sao_jax.serve --config=configs/default.py \
+      --port=9000 [--host=0.0.0.0] [--config.rollout.max_concurrent_decodes=16]
+
+Starts a JetStream gRPC server on `--host:--port` (loopback by default) with
+our engine for `config.model.source`, plus the admin service the learner uses
+to push weights (authenticated by the secret in $SAO_ADMIN_SECRET or
+`--config.rollout.admin_secret_file`). Prints one JSON line
+`{"event": "ready", "port": P, "pid": N}` on stdout when it accepts requests
+(`--port=0` picks a free port), and stops gracefully on SIGTERM or SIGINT.
+"""
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from absl import flags
+
+from sao_jax import config_lib
+from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import server as server_lib
+from sao_jax.rollout import weight_sync
+
+_CONFIG = config_lib.define_config_flag()
+_PORT = flags.DEFINE_integer('port', 9000, 'gRPC port (0: any free port)')
+_HOST = flags.DEFINE_string('host', None,
+                            'bind address (default config.rollout.bind_host)')
+_WEIGHTS = flags.DEFINE_string(
+    'weights', None, 'orbax policy checkpoint to serve instead of the model'
+    " source's weights (written by the learner)")
+_VERSION = flags.DEFINE_integer('version', 0, 'policy version of the weights')
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  logging.basicConfig(level=logging.INFO,
+                      format='%(asctime)s %(levelname)s %(name)s: %(message)s')
+  jetstream_compat.quiet_orchestrator_logs()
+  config = _CONFIG.value
+  config_lib.validate(config)
+  secret = weight_sync.read_secret(config.rollout.admin_secret_file or None)
+  engine = engine_lib.build_engine(config, version=_VERSION.value)
+  if _WEIGHTS.value:
+    engine.weights.swap(
+        weight_sync.load_policy(_WEIGHTS.value, engine.abstract_state()),
+        _VERSION.value)
+  try:
+    server = server_lib.RolloutServer(
+        engine, port=_PORT.value, secret=secret,
+        host=_HOST.value or config.rollout.bind_host)
+  except server_lib.PortInUseError as e:
+    raise config_lib.ConfigError(str(e)) from e
+  stop = threading.Event()
+
+  def on_signal(signum, frame):
+    del frame
+    logging.info('signal %d: stopping gracefully', signum)
+    stop.set()
+
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  print(json.dumps({'event': 'ready', 'port': server.port,
+                    'pid': os.getpid()}), flush=True)
+  stop.wait()
+  server.stop()
+  sys.exit(0)
+
+
+if __name__ == '__main__':
+  config_lib.run(main)

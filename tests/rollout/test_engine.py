@@ -1,0 +1,156 @@
+"""The JetStream engine in process: contract, mu_t, versions, tensor parallel."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+import sao_jax.models
+from sao_jax.models import sampling
+from sao_jax.rollout import client as client_lib
+from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import jetstream_compat
+
+pb = jetstream_compat.jetstream_pb2
+
+
+def make_engine(checkpoint, devices=None, **overrides):
+  model, tok = sao_jax.models.from_pretrained(checkpoint)
+  cfg = dict(max_concurrent_decodes=4, max_prefill_length=32,
+             max_target_length=96, stop_ids=tuple(tok.stop_ids),
+             sampling=sampling.SamplingParams(temperature=1.0))
+  cfg.update(overrides)
+  return (engine_lib.Engine(model, tok, engine_lib.EngineConfig(**cfg),
+                            version=7, devices=devices), model, tok)
+
+
+def run_requests(engine, prompts, max_tokens):
+  """Drives JetStream's own orchestrator (no gRPC) over the engine."""
+  orch = jetstream_compat.orchestrator
+  driver = orch.Driver(prefill_engines=[engine], generate_engines=[engine],
+                       prefill_params=[None], generate_params=[None],
+                       interleaved_mode=True, jax_padding=False)
+  llm = orch.LLMOrchestrator(driver=driver)
+
+  async def one(prompt):
+    request = pb.DecodeRequest(
+        token_content=pb.DecodeRequest.TokenContent(token_ids=prompt),
+        max_tokens=max_tokens)
+    steps = []
+    async for response in llm.Decode(request):
+      for sample in response.stream_content.samples:
+        if sample.token_ids:
+          steps.append(client_lib.decode_step_ids(sample.token_ids))
+    return ([t for s in steps for t in s[0]], [l for s in steps for l in s[1]],
+            [v for s in steps for v in s[2]])
+
+  async def all_():
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+  try:
+    return asyncio.run(all_())
+  finally:
+    driver.stop()
+
+
+def recompute(model, prompt, tokens, params):
+  sequence = np.array([prompt + tokens])
+  logits = model(sequence)
+  logp = sampling.token_logprobs(logits[:, :-1], sequence[:, 1:], params)
+  return np.asarray(logp)[0, len(prompt) - 1:]
+
+
+def test_streamed_logprobs_match_learner_recomputation(tiny_checkpoint):
+  engine, model, tok = make_engine(
+      tiny_checkpoint, sampling=sampling.SamplingParams(0.8, 20, 0.9))
+  prompts = [tok.encode_chat([{'role': 'user', 'content': f'w{i} w{i + 3}'}])
+             for i in range(6)]  # more requests than the 4 slots
+  results = run_requests(engine, prompts, max_tokens=40)
+  for prompt, (tokens, logprobs, versions) in zip(prompts, results):
+    assert tokens and set(versions) == {7}
+    assert len(tokens) <= 40
+    # The stop token, if sampled, is streamed and ends the sample.
+    if tok.eos_id in tokens:
+      assert tokens.index(tok.eos_id) == len(tokens) - 1
+    np.testing.assert_allclose(
+        logprobs, recompute(model, prompt, tokens, engine.config.sampling),
+        atol=1e-4)
+
+
+def test_prompt_bos_is_not_added(tiny_checkpoint):
+  engine, model, tok = make_engine(
+      tiny_checkpoint, sampling=sampling.SamplingParams(temperature=0))
+  prompt = tok.encode_chat([{'role': 'user', 'content': 'w5 w6'}])
+  ((tokens, _, _),) = run_requests(engine, [prompt], max_tokens=8)
+  # Greedy continuation of exactly `prompt`, with nothing prepended.
+  from sao_jax.models import decoding  # pylint: disable=g-import-not-at-top
+  (want,) = decoding.generate(model, [prompt], 8,
+                              sampling.SamplingParams(temperature=0),
+                              stop_ids=tok.stop_ids)
+  assert tokens == want.tokens
+
+
+def test_too_long_prompt_is_refused_not_truncated(tiny_checkpoint):
+  engine, _, _ = make_engine(tiny_checkpoint)
+  ((tokens, _, versions),) = run_requests(engine, [[5] * 40], max_tokens=8)
+  assert versions == [engine_lib.PROMPT_TOO_LONG] and tokens == [0]
+
+
+def test_samples_per_slot_gives_groups(tiny_checkpoint):
+  engine, model, tok = make_engine(tiny_checkpoint, samples_per_slot=3,
+                                   max_concurrent_decodes=2)
+  orch = jetstream_compat.orchestrator
+  driver = orch.Driver(prefill_engines=[engine], generate_engines=[engine],
+                       prefill_params=[None], generate_params=[None],
+                       interleaved_mode=True, jax_padding=False)
+  llm = orch.LLMOrchestrator(driver=driver)
+  prompt = tok.encode_chat([{'role': 'user', 'content': 'w1'}])
+
+  async def one():
+    per = [[], [], []]
+    request = pb.DecodeRequest(
+        token_content=pb.DecodeRequest.TokenContent(token_ids=prompt),
+        max_tokens=12)
+    async for response in llm.Decode(request):
+      for i, sample in enumerate(response.stream_content.samples):
+        if sample.token_ids:
+          per[i].append(client_lib.decode_step_ids(sample.token_ids))
+    return per
+
+  try:
+    per = asyncio.run(one())
+  finally:
+    driver.stop()
+  sequences = [[t for s in steps for t in s[0]] for steps in per]
+  assert all(sequences) and len({tuple(s) for s in sequences}) > 1
+  for steps, seq in zip(per, sequences):
+    logprobs = [l for s in steps for l in s[1]]
+    np.testing.assert_allclose(
+        logprobs, recompute(model, prompt, seq, engine.config.sampling),
+        atol=1e-4)
+
+
+def test_tensor_parallel_engine_matches_one_device(tiny_checkpoint):
+  greedy = sampling.SamplingParams(temperature=0)
+  one, _, tok = make_engine(tiny_checkpoint, devices=jax.devices()[:1],
+                            sampling=greedy)
+  two, _, _ = make_engine(tiny_checkpoint, devices=jax.devices()[:2],
+                          sampling=greedy)
+  state, _ = two.weights.get()
+  q_proj = state['decoder']['blocks']['attn']['q_proj'][...]
+  assert 'tensor' in str(q_proj.sharding.spec)  # really sharded
+  prompts = [tok.encode_chat([{'role': 'user', 'content': f'w{i}'}])
+             for i in range(3)]
+  a = run_requests(one, prompts, max_tokens=16)
+  b = run_requests(two, prompts, max_tokens=16)
+  for (ta, la, _), (tb, lb, _) in zip(a, b):
+    assert ta == tb
+    np.testing.assert_allclose(la, lb, atol=1e-5)
+
+
+def test_engine_config_errors():
+  with pytest.raises(ValueError, match='padding buckets'):
+    engine_lib.EngineConfig(max_prefill_length=100)
+  with pytest.raises(ValueError, match='must exceed'):
+    engine_lib.EngineConfig(max_prefill_length=64, max_target_length=64)
