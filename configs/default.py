@@ -33,6 +33,7 @@ def get_config(arg=None):
   c.model.source = 'smollm2-135m-instruct'  # or a Hugging Face checkpoint dir
   c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
   c.model.param_dtype = 'float32'
+  c.model.remat = False  # recompute layer activations in the backward pass
 
   # The task: a reasoning-gym dataset name, or arith_chain_sum |
   # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a
@@ -65,6 +66,7 @@ def get_config(arg=None):
       enabled=False, formats=('statement', 'equation', 'statement'),
       switch_steps=(100, 200)))
 
+  c.total_steps = 40  # policy steps of the run
   c.batch_size = 32  # B: trajectories per policy step (prompts x G)
   c.group_size = 1  # G: samples per prompt; 1 is SAO's single rollout
 
@@ -91,6 +93,7 @@ def get_config(arg=None):
   c.advantage.normalize = False  # whiten A over the batch's action tokens
   c.advantage.running_mean_window = 8  # W (paper: 8 per prompt, 128 global)
   c.advantage.running_mean_scope = 'prompt'  # prompt | global
+  c.advantage.running_mean_slots = 65536  # distinct prompts tracked (per prompt)
 
   # Critic V_phi: same backbone, scalar head, trained K times per policy step.
   c.critic = ml_collections.ConfigDict()
@@ -105,6 +108,7 @@ def get_config(arg=None):
   # Optimisers (AdamW). Paper: actor 1e-6, critic 5e-6 (5x), 10-step warm-up;
   # these defaults are sized for the 135M demo model.
   c.optim = ml_collections.ConfigDict()
+  c.optim.microbatches = 1  # gradient accumulation: the batch in this many parts
   for role, lr in (('actor', 1e-6), ('critic', 5e-6)):
     o = ml_collections.ConfigDict()
     o.learning_rate = lr
@@ -148,6 +152,7 @@ def get_config(arg=None):
   c.rollout.max_in_flight_per_server = 16  # the server never refuses load
   c.rollout.request_deadline_s = 300.0
   c.rollout.max_retries = 3  # re-sends to another live server on UNAVAILABLE
+  c.rollout.get_batch_timeout_s = 1800.0  # learner gives up waiting for data
   # Host-side queue between workers and the learner.
   c.rollout.queue_capacity = 0  # finished trajectories held; 0: admission bounds it
   c.rollout.logprob_tolerance = 1e-3  # mu_t > this is a malformed trajectory
@@ -155,6 +160,23 @@ def get_config(arg=None):
   # Episodes.
   c.rollout.max_new_tokens = 64  # per model turn
   c.rollout.max_sequence_length = 512  # T of a batch: prompt+actions+observations
+
+  # Evaluation on the held-out set (greedy decoding, extracted answers).
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0  # also every N policy steps; 0: at the start and end only
+  c.eval.at_start = True  # evaluate the untrained policy first
+  c.eval.max_new_tokens = 16
+  c.eval.batch_size = 100
+
+  # Orbax checkpoints in workdir/checkpoints; a workdir resumes where it was.
+  c.checkpoint = ml_collections.ConfigDict(dict(every=10, max_to_keep=2))
+  c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True))
+  c.export_hf = False  # write the trained policy to workdir/hf_export
+
+  # Multi-host (TPU pods): join jax.distributed before touching devices.
+  c.distributed = ml_collections.ConfigDict(dict(
+      enabled=False, coordinator_address='', num_processes=-1, process_id=-1,
+      local_device_ids=''))
 
   _apply_algorithm_presets(c)
   return c

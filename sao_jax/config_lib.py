@@ -105,6 +105,20 @@ def sibling(config_file: str, name: str) -> str:
   return os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
 
 
+def write_config_file(config: ml_collections.ConfigDict, path: str) -> None:
+  """Writes `config` as a recipe file (`get_config()` returning it as is).
+
+  How a trainer hands the exact config, overrides included, to the rollout
+  servers it starts: `--config=<path>`.
+  """
+  with open(path, 'w') as f:
+    f.write('"""Written by sao_jax: the config of a training run."""\n\n'
+            'import ml_collections\n\n\n'
+            'def get_config(arg=None):\n'
+            '  del arg\n'
+            f'  return ml_collections.ConfigDict({config.to_dict()!r})\n')
+
+
 def validate(config: ml_collections.ConfigDict,
              num_devices: int | None = None) -> dict[str, int]:
   """Checks a config for inconsistent settings; raises one `ConfigError`.
@@ -152,6 +166,7 @@ def validate(config: ml_collections.ConfigDict,
   check.closed_interval('advantage.lam', 0.0, 1.0)
   check.positive('advantage.alpha')
   check.positive_int('advantage.running_mean_window')
+  check.positive_int('advantage.running_mean_slots')
   check.choice('advantage.running_mean_scope', RUNNING_MEAN_SCOPES)
 
   check.positive_int('critic.steps_per_policy_step')
@@ -170,11 +185,18 @@ def validate(config: ml_collections.ConfigDict,
     if problem:
       problems.append(problem)
   check.non_negative_int('task.held_out')
+  check.positive_int('total_steps')
+  check.non_negative_int('eval.every')
+  check.positive_int('eval.max_new_tokens')
+  check.positive_int('eval.batch_size')
+  check.positive_int('checkpoint.every')
+  check.positive_int('checkpoint.max_to_keep')
   check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)
 
   batch = check.positive_int('batch_size')
+  microbatches = check.positive_int('optim.microbatches')
   group = check.positive_int('group_size')
   if batch and group and batch % group:
     problems.append(f'config.batch_size={batch} is not divisible by'
@@ -224,6 +246,12 @@ def validate(config: ml_collections.ConfigDict,
     problems.append('config.rollout.group_in_one_request needs'
                     ' config.group_size >= 2')
 
+  if batch and microbatches and group and (batch % microbatches or (
+      batch // microbatches) % group):
+    problems.append(
+        f'config.batch_size={batch} must split into config.optim.microbatches='
+        f'{microbatches} equal parts of whole groups of config.group_size='
+        f'{group}')
   mesh = {}
   try:
     mesh = sharding.mesh_shape(dict(config.mesh), num_devices)

@@ -18,12 +18,15 @@ from flax import nnx
 from sao_jax.models import gguf_checkpoint
 from sao_jax.models import hf_checkpoint
 from sao_jax.models import model_config
+from sao_jax.models import tiny
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 
 # Model names that load without a directory: the embedded default model.
 SMOLLM2_135M_INSTRUCT = 'smollm2-135m-instruct'
-NAMED_MODELS = (SMOLLM2_135M_INSTRUCT,)
+# A tiny random Llama with a word tokenizer (sao_jax.models.tiny): CI runs.
+TINY_RANDOM = 'tiny-random'
+NAMED_MODELS = (SMOLLM2_135M_INSTRUCT, TINY_RANDOM)
 
 
 def from_pretrained(source: str, dtype: str = 'float32',
@@ -47,7 +50,13 @@ def from_pretrained(source: str, dtype: str = 'float32',
     ValueError: for an unknown source, an unsupported architecture, or a
       missing or misshapen tensor (the message names it).
   """
-  if source == SMOLLM2_135M_INSTRUCT:
+  if source == TINY_RANDOM:
+    model, tok = tiny.make()
+    if (dtype, param_dtype or dtype, remat) == ('float32', 'float32', False):
+      return model, tok
+    hf_config = model_config.to_hf_config(model.config)
+    tensors = hf_checkpoint.from_params(flat_params(model), model.config)
+  elif source == SMOLLM2_135M_INSTRUCT:
     hf_config, tensors, tok = gguf_checkpoint.read_gguf(
         gguf_checkpoint.find_smollm2_gguf())
   elif os.path.isdir(source):

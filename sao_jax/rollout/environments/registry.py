@@ -6,10 +6,11 @@ from sao_jax.rollout.environments import arithmetic
 from sao_jax.rollout.environments import base
 from sao_jax.rollout.environments import calculator
 from sao_jax.rollout.environments import nonstationary
+from sao_jax.rollout.environments import word_target
 
 # Our own environments; any other name is a reasoning-gym dataset.
 OWN = ('arith_chain_sum', 'arith_countdown', 'calculator', 'humaneval',
-       'jsonl')
+       'jsonl', 'word_target')
 
 
 def reasoning_gym_names() -> tuple[str, ...]:
@@ -61,6 +62,8 @@ def make(task) -> base.Environment:
         memory_mb=s.memory_mb, max_concurrent_runs=s.max_concurrent_runs or None,
         mode=None if s.mode == 'auto' else s.mode, cpu_s=s.cpu_s,
         max_file_mb=s.max_file_mb, max_procs=s.max_procs)
+  elif task.name == 'word_target':
+    env = word_target.WordTarget(seed=task.seed)
   elif task.name == 'jsonl':
     from sao_jax.rollout.environments import jsonl_dataset  # pylint: disable=g-import-not-at-top
     j = task.jsonl

@@ -1,0 +1,491 @@
+"""Learner checkpoints: sharded state plus JSON metadata, saved atomically.
+
+A learner checkpoint is one orbax step directory holding two items:
+
+  <directory>/<step>/state/     the learner pytree (params, optimizer state,
+                                RNG keys, counters), each array written shard
+                                by shard by the host that owns it;
+  <directory>/<step>/metadata/  a JSON dict (data cursor, policy version, queue
+                                counters, running-mean slot map, config
+                                snapshot).
+
+Both items live under one step directory and are finalized together, so a
+restore never pairs the arrays of one step with the data cursor of another.
+
+Atomicity. orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
+to `<step>` only when every item is complete (on object stores without atomic
+rename it writes `commit_success.txt` last instead). `latest_step`, `all_steps`
+and `restore` only ever see finalized steps, so a process killed mid-save
+leaves at worst an unfinalized temporary directory that is ignored, and
+deleted by the next `Checkpointer` opened on the directory before its first
+save.
+
+Saving is asynchronous. `save` returns once the arrays are copied off the
+accelerator (that part blocks, so the caller may donate or overwrite the
+buffers right after); the files are written by a background thread while
+training continues. A new `save` first waits for the previous one, and `wait()`
+blocks until the last save is durable. Call `wait()` (or `close()`) before the
+process exits, or the last checkpoint is lost: it is then merely unfinalized,
+never half-loaded.
+
+Multi-host: every process must call `save`, `restore` and `wait` at the same
+steps (they are collectives); each host writes only its own shards, and the
+metadata is written by the primary process, so it must be the same on all.
+
+Stopping on SIGTERM. `install_sigterm_handler()` returns a `StopFlag`; the
+signal handler only records the signal. The training loop polls
+`flag.should_stop()` once per step and, when it is true, saves with
+`force=True`, calls `wait()` and returns:
+
+    stop = checkpointing.install_sigterm_handler()
+    for step in range(start, num_steps):
+      state, metadata = train_step(state, ...)
+      ckpt.save(step, state, metadata)
+      if stop.should_stop():
+        ckpt.save(step, state, metadata, force=True)
+        break
+    ckpt.wait()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+_STATE = 'state'
+_METADATA = 'metadata'
+
+_log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+  """Periodic, atomic, asynchronous checkpoints of the learner's state.
+
+  Args:
+    directory: where step directories go; created if missing. Local paths are
+      made absolute (orbax requires it); `gs://` paths are used as given.
+    max_to_keep: how many finalized steps to keep, newest first; older ones are
+      deleted after each save. None keeps every step.
+    save_interval_steps: `save` writes only at steps that are multiples of
+      this (unless forced), so the training loop can call it every step.
+  """
+
+  def __init__(self, directory: str | os.PathLike[str], *,
+               max_to_keep: int | None = 3, save_interval_steps: int = 100):
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
+    if save_interval_steps < 1:
+      raise ValueError(
+          f'save_interval_steps must be >= 1, got {save_interval_steps}')
+    directory = os.fspath(directory)
+    if '://' not in directory:
+      directory = os.path.abspath(directory)
+    self.directory = directory
+    self.save_interval_steps = save_interval_steps
+    policies = ocp.checkpoint_managers
+    options = ocp.CheckpointManagerOptions(
+        # Saves exactly at multiples of the interval: orbax's default policy
+        # would also save whatever step comes first, surprising a trainer
+        # that resumes at step 137. The preemption policy is a no-op on a
+        # single host; with jax.distributed it saves at the step all hosts
+        # agree on when the coordination service sees a preemption notice.
+        save_decision_policy=policies.AnySavePolicy([
+            policies.FixedIntervalPolicy(save_interval_steps),
+            policies.PreemptionCheckpointingPolicy(),
+        ]),
+        preservation_policy=(
+            policies.LatestN(max_to_keep) if max_to_keep is not None else None),
+        # A process killed mid-save leaves `<step>.orbax-checkpoint-tmp`; it
+        # is never read, and removing it here reclaims the space.
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=True,
+    )
+    # Handlers are registered up front (not inferred from the first save) so
+    # that a fresh process can read a step's tree metadata before restoring:
+    # that is what `restore` checks the target against.
+    self._manager = ocp.CheckpointManager(
+        directory, options=options,
+        item_handlers={_STATE: ocp.StandardCheckpointHandler(),
+                       _METADATA: ocp.JsonCheckpointHandler()})
+
+  def save(self, step: int, state: Any, metadata: Mapping[str, Any], *,
+           force: bool = False) -> bool:
+    """Starts saving `state` and `metadata` as `step`, if it is time to.
+
+    Args:
+      step: the training step; saved when it is a multiple of
+        `save_interval_steps`, or whenever `force` is set.
+      state: a pytree of jax arrays (any sharding; typed PRNG keys allowed),
+        numpy arrays or Python scalars.
+      metadata: a JSON-able dict with string keys (no NaN or infinity, which
+        JSON lacks). It is copied now, so the caller may keep mutating it
+        while the save runs in the background. Tuples come back as lists.
+      force: save regardless of the interval (at the end of training, on
+        SIGTERM).
+
+    Blocks while the arrays are copied to host memory, and first for the
+    previous save if it is still writing.
+
+    Returns:
+      True if a save was started; False if it was not time to, or `step` is
+      already saved (a forced save right after a periodic one of the same
+      step is a no-op, not an error).
+
+    Raises:
+      TypeError: when `metadata` is not JSON-able or has a non-string key;
+        raised here, in the caller's thread, not later from the writer.
+    """
+    step = int(step)
+    metadata = _json_copy(metadata)
+    if force:
+      if step in self._manager.all_steps():
+        return False
+    elif not self._manager.should_save(step):
+      return False
+    saved = self._manager.save(
+        step,
+        args=ocp.args.Composite(**{
+            _STATE: ocp.args.StandardSave(_keys_to_data(state)),
+            _METADATA: ocp.args.JsonSave(metadata),
+        }),
+        force=force)
+    if saved:
+      _log.info('checkpoint of step %d started in %s', step, self.directory)
+    return bool(saved)
+
+  def wait(self) -> None:
+    """Blocks until the last started save is finalized on disk.
+
+    Raises whatever error the background write hit.
+    """
+    self._manager.wait_until_finished()
+
+  def all_steps(self) -> list[int]:
+    """The finalized steps in the directory, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest finalized step, or None when there is none.
+
+    A save still in flight in this process is counted (orbax lists a step
+    from the moment it starts); `restore` waits for it to finalize first.
+    Steps another process left unfinalized are never counted.
+    """
+    return self._manager.latest_step()
+
+  def read_metadata(self, step: int | None = None) -> dict[str, Any]:
+    """Only the metadata of `step` (default: the latest).
+
+    Lets a resuming trainer read the config snapshot or data cursor before it
+    has built the model whose shapes `restore` needs.
+    """
+    step = self._finalized_step(step)
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()}))
+    return restored[_METADATA]
+
+  def restore(self, step: int | None = None, *,
+              abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+    """Restores `(state, metadata)` of `step` (default: the latest).
+
+    Args:
+      step: a finalized step; None means `latest_step()`.
+      abstract_state: the target: a pytree shaped like the saved state whose
+        array leaves are `jax.ShapeDtypeStruct`s with a `.sharding` (or jax
+        arrays, whose shape, dtype and sharding are used). Arrays are read
+        straight into those shardings, each host reading only its shards, and
+        cast to those dtypes; typed PRNG key leaves come back as keys. Other
+        leaves (Python scalars) are restored as saved.
+
+    Returns:
+      `(state, metadata)`: state with `abstract_state`'s tree structure.
+
+    Raises:
+      FileNotFoundError: no finalized checkpoint (at `step`).
+      ValueError: the checkpoint's tree does not match `abstract_state`; the
+        message names the first mismatching leaf path and both shapes, which
+        orbax's own errors do not (and a missing or extra leaf is checked
+        before any array is read).
+    """
+    step = self._finalized_step(step)
+    target = jax.tree_util.tree_map_with_path(
+        _restore_target, abstract_state, is_leaf=_is_abstract_leaf)
+    saved = self._manager.item_metadata(step)[_STATE]
+    key_paths = {_path_name(path) for path, leaf in
+                 jax.tree_util.tree_flatten_with_path(
+                     abstract_state, is_leaf=_is_abstract_leaf)[0]
+                 if _is_key(leaf)}
+    _check_matches(step, getattr(saved, 'tree', saved), target, key_paths)
+    restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(**{
+            _STATE: ocp.args.StandardRestore(target),
+            _METADATA: ocp.args.JsonRestore(),
+        }))
+    state = jax.tree.map(_data_to_keys, restored[_STATE], abstract_state,
+                         is_leaf=_is_abstract_leaf)
+    return state, restored[_METADATA]
+
+  def close(self) -> None:
+    """Waits for the last save and releases orbax's threads."""
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def _finalized_step(self, step: int | None) -> int:
+    # orbax lists a step from the moment its save starts; waiting makes
+    # "listed" mean "finalized" before anything is read.
+    self.wait()
+    steps = self._manager.all_steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(f'no finalized checkpoint in {self.directory}')
+      return max(steps)
+    if int(step) not in steps:
+      raise FileNotFoundError(
+          f'no finalized checkpoint of step {step} in {self.directory};'
+          f' finalized steps: {sorted(steps)}')
+    return int(step)
+
+
+# -- typed PRNG keys ----------------------------------------------------------
+# Keys are stored as their raw uint32 key data, an ordinary array with one
+# trailing dimension (2 for threefry, 4 for rbg), and wrapped back using the
+# key dtype of the restore target. The on-disk format then does not depend
+# on orbax's own handling of key dtypes, and any reader of the checkpoint
+# sees plain uint32 arrays.
+
+
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
+
+
+def _keys_to_data(state):
+  return jax.tree.map(
+      lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def _key_data_sharding(sharding, path: str):
+  """The sharding of a key array's data, whose rank is one higher."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    # A spec shorter than the rank leaves the trailing dimensions replicated,
+    # which is what the key-data dimension needs.
+    return sharding
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  raise TypeError(
+      f'abstract_state leaf {path!r} is a PRNG key with a'
+      f' {type(sharding).__name__}; use a NamedSharding or a'
+      ' SingleDeviceSharding for key leaves')
+
+
+def _data_to_keys(restored, abstract):
+  if _is_key(abstract):
+    return jax.random.wrap_key_data(restored, dtype=abstract.dtype)
+  return restored
+
+
+# -- restore targets ----------------------------------------------------------
+
+
+def _is_abstract_leaf(x) -> bool:
+  return isinstance(x, (jax.ShapeDtypeStruct, jax.Array))
+
+
+def _restore_target(path, leaf):
+  """One leaf of what orbax restores into: a ShapeDtypeStruct with sharding."""
+  if not _is_abstract_leaf(leaf):
+    return leaf
+  name = _path_name(path)
+  sharding = getattr(leaf, 'sharding', None)
+  if sharding is None:
+    raise ValueError(
+        f'abstract_state leaf {name!r} (shape {leaf.shape}) has no sharding:'
+        ' restore needs to know where each array goes; build the target with'
+        ' jax.ShapeDtypeStruct(shape, dtype, sharding=...)')
+  if _is_key(leaf):
+    data = jax.eval_shape(jax.random.key_data,
+                          jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    return jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                sharding=_key_data_sharding(sharding, name))
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def _key_name(key) -> str:
+  # DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key:
+  # orbax records namedtuples and dataclasses as dicts of their field names
+  # and tuples as lists, so paths are compared by name, not by key type.
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _path_name(path) -> str:
+  return '/'.join(_key_name(k) for k in path)
+
+
+def _flat_by_path(tree) -> dict[str, Any]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {_path_name(path): leaf for path, leaf in leaves}
+
+
+def _check_matches(step: int, saved_tree, target,
+                   key_paths: set[str]) -> None:
+  """Raises ValueError at the first leaf where checkpoint and target differ.
+
+  Leaves are compared in the target's flattening order; `key_paths` names the
+  PRNG key leaves, whose shapes are compared as key data.
+  """
+  saved = _flat_by_path(saved_tree)
+  wanted = _flat_by_path(target)
+  for path, leaf in wanted.items():
+    if path not in saved:
+      raise ValueError(
+          f'checkpoint step {step} does not match abstract_state: leaf'
+          f' {path!r} (shape {tuple(np.shape(leaf))}) is not in the'
+          f' checkpoint; the checkpoint has {_some(saved)}')
+    saved_shape = _shape(saved[path])
+    wanted_shape = tuple(np.shape(leaf))
+    if saved_shape != wanted_shape:
+      note = (' (PRNG key data: the key shape plus one trailing dimension'
+              ' that depends on the key implementation)'
+              if path in key_paths else '')
+      raise ValueError(
+          f'checkpoint step {step} does not match abstract_state at leaf'
+          f' {path!r}: checkpoint shape {saved_shape}, abstract_state shape'
+          f' {wanted_shape}{note}')
+  for path, meta in saved.items():
+    if path not in wanted:
+      raise ValueError(
+          f'checkpoint step {step} does not match abstract_state: the'
+          f' checkpoint has leaf {path!r} (shape {_shape(meta)}) that'
+          ' abstract_state lacks')
+
+
+def _shape(leaf_metadata) -> tuple[int, ...]:
+  return tuple(getattr(leaf_metadata, 'shape', None) or ())
+
+
+def _some(flat: Mapping[str, Any], limit: int = 8) -> str:
+  names = list(flat)
+  more = f' and {len(names) - limit} more' if len(names) > limit else ''
+  return ', '.join(repr(n) for n in names[:limit]) + more
+
+
+# -- metadata -----------------------------------------------------------------
+
+
+def _json_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
+  """A deep copy through JSON, refusing what JSON would silently change.
+
+  Integer dict keys (a slot map keyed by slot index, say) would come back as
+  strings, and lookups after a resume would miss; that is refused here rather
+  than discovered after a preemption.
+  """
+  def check_keys(x, path):
+    if isinstance(x, Mapping):
+      for k, v in x.items():
+        if not isinstance(k, str):
+          raise TypeError(
+              f'checkpoint metadata key {path}[{k!r}] is a {type(k).__name__};'
+              ' JSON keys must be str (convert it, e.g. str(k))')
+        check_keys(v, f'{path}[{k!r}]')
+    elif isinstance(x, (list, tuple)):
+      for i, v in enumerate(x):
+        check_keys(v, f'{path}[{i}]')
+
+  if not isinstance(metadata, Mapping):
+    raise TypeError(f'checkpoint metadata must be a dict, got {type(metadata)}')
+  check_keys(metadata, 'metadata')
+  try:
+    return json.loads(json.dumps(metadata, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise TypeError(f'checkpoint metadata is not JSON-able: {e}') from e
+
+
+# -- stopping on SIGTERM ------------------------------------------------------
+
+
+class StopFlag:
+  """Records that the process was asked to stop; polled by the training loop.
+
+  The signal handler does nothing but store the signal number. Python runs
+  handlers in the main thread between bytecodes, i.e. in the middle of
+  whatever the loop was doing: saving from the handler would re-enter orbax
+  mid-save or mid-step, and even `threading.Event.set` could deadlock (its
+  lock is not reentrant and the interrupted code may hold it). A plain
+  attribute store is the one thing that is always safe.
+
+  Contract for the training loop: call `should_stop()` once per step, at the
+  same step on every process; when it returns True, `save(..., force=True)`,
+  `wait()`, then exit. Schedulers follow SIGTERM with SIGKILL after a grace
+  period (30 s on Kubernetes by default), so the final save must fit in it;
+  if it does not, the atomic finalize means the previous checkpoint is
+  what the next run resumes from.
+  """
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def request_stop(self, signum: int = signal.SIGTERM) -> None:
+    """What the handler does; also callable directly (tests, a stop RPC)."""
+    self.signum = signum
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    self.signum = signum
+
+  def should_stop(self) -> bool:
+    """True once a stop was requested on any process.
+
+    With several processes this is a collective (an all-gather of one flag
+    per process), so all of them see the same answer at the same step and
+    enter the final save together; a signal reaching only some hosts, or
+    reaching them a step apart, would otherwise deadlock that save.
+    """
+    local = self.signum is not None
+    if jax.process_count() == 1:
+      return local
+    flags = multihost_utils.process_allgather(np.asarray(local, np.int32))
+    return bool(np.any(flags))
+
+  def uninstall(self) -> None:
+    """Puts back the handlers that were there before `install`."""
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous.clear()
+
+  def install(self, signals: Iterable[int]) -> StopFlag:
+    # signal.signal only works in the main thread; it raises ValueError
+    # elsewhere, which is the right error to surface.
+    for signum in signals:
+      self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+
+def install_sigterm_handler(
+    signals: Sequence[int] = (signal.SIGTERM,)) -> StopFlag:
+  """Installs a flag-setting handler for `signals`; see `StopFlag`.
+
+  Call from the main thread. Once installed, SIGTERM no longer kills the
+  process: the training loop must poll `should_stop()` and exit itself. With
+  jax.distributed, this replaces the coordination service's own SIGTERM
+  notifier, so orbax's preemption save policy stays idle and `should_stop()`
+  is what synchronises the hosts.
+  """
+  return StopFlag().install(signals)

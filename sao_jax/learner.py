@@ -1,0 +1,364 @@
+"""The SAO learner: sharded state and the jitted update of one batch.
+
+Per batch (SAO §1): K critic updates towards Monte-Carlo returns (attention
+frozen), advantages from the updated critic by skip-observation GAE with the
+length-adaptive lambda, then one policy update with the DIS loss against the
+rollout engine's own log-probs. The paper's baselines swap the parts by name
+(config.algorithm): GRPO's group advantages, a running-mean baseline, PPO's
+clipped loss against the recomputed old policy.
+
+Sharding (pjit semantics through `jax.jit`): parameters are laid out over the
+`data x fsdp x tensor` mesh by their logical axes (`sao_jax.sharding`), the
+optimiser states follow their parameters, batches split over `data x fsdp`,
+and the state is donated to each step so it is updated in place. Gradients
+accumulate over micro-batches (`config.optim.microbatches`) so large batches
+fit; a non-finite gradient skips its update (`optimizers`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sao_jax import advantages
+from sao_jax import config_lib
+from sao_jax import objectives
+from sao_jax import optimizers
+from sao_jax import sharding
+from sao_jax.models import critic as critic_lib
+from sao_jax.models import sampling
+from sao_jax.models import transformer
+
+_F32 = jnp.float32
+# Batch fields the step reads, with their rank: [B, T] or [B].
+BATCH_FIELDS = {
+    'tokens': 2, 'input_mask': 2, 'action_mask': 2, 'behavior_logprobs': 2,
+    'rewards': 2, 'reward': 1, 'num_action_tokens': 1, 'slot_ids': 1,
+}
+
+
+class LearnerState(NamedTuple):
+  """Everything a policy step reads and writes (a pytree, donated per step).
+
+  Attributes:
+    policy: the policy's parameters (nnx State).
+    critic: the critic's trainable parameters (MLP and head when attention is
+      frozen; all of them otherwise), or None without a critic.
+    critic_frozen: the critic's frozen parameters (possibly empty), or None.
+    actor_opt, critic_opt: optimiser states (critic_opt None without critic).
+    running_mean: the running-mean baseline's reward history, or None.
+    step: policy updates so far: the policy version.
+    critic_step: critic updates so far (pretraining included).
+  """
+  policy: Any
+  critic: Any
+  critic_frozen: Any
+  actor_opt: Any
+  critic_opt: Any
+  running_mean: Any
+  step: jax.Array
+  critic_step: jax.Array
+
+
+class Learner:
+  """Owns the mesh, the shardings and the jitted steps of one training run."""
+
+  def __init__(self, config, policy: transformer.CausalLM, mesh,
+               rules=sharding.DEFAULT_RULES, init_state: bool = True):
+    """Lays out the policy (and a critic copied from it) on `mesh`.
+
+    Args:
+      config: a validated sao_jax config.
+      policy: the initial policy (its weights become the critic's backbone).
+      mesh: a mesh with the `sharding.MESH_AXES`.
+      rules: logical-axis rules.
+      init_state: build the state now (False: only shapes, for AOT compiles
+        and restores).
+    """
+    self.config = config
+    self.mesh = mesh
+    self.rules = rules
+    self.uses_critic = config_lib.ALGORITHMS[config.algorithm]['critic']
+    self.sampling = sampling.SamplingParams(config.rollout.temperature,
+                                            config.rollout.top_k,
+                                            config.rollout.top_p)
+    self.actor_tx = optimizers.make(config.optim.actor)
+    self.critic_tx = optimizers.make(config.optim.critic)
+    self._policy_def, policy_params = nnx.split(policy, nnx.Param)
+    critic_params = frozen_params = None
+    if self.uses_critic:
+      value_model = (critic_lib.from_policy(policy) if init_state else
+                     nnx.eval_shape(lambda: critic_lib.ValueModel(
+                         policy.config, rngs=nnx.Rngs(0))))
+      self._critic_def, critic_params, frozen_params = nnx.split(
+          value_model,
+          critic_lib.trainable_filter(config.critic.frozen_attention), ...)
+    self.batch_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES, None))
+    self.row_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
+    self._param_shardings = {
+        name: sharding.state_shardings(params, mesh, rules)
+        for name, params in (('policy', policy_params),
+                             ('critic', critic_params),
+                             ('critic_frozen', frozen_params))
+        if params is not None}
+    abstract_params = self._params(policy_params, critic_params,
+                                   frozen_params, abstract=True)
+    abstract = jax.eval_shape(self._init_state, *abstract_params)
+    # The compiler's propagation lays the optimiser moments out like their
+    # parameters; reading its choice keeps one source of truth.
+    self.state_shardings = jax.jit(self._init_state).lower(
+        *abstract_params).compile().output_shardings
+    self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    self.abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, self.state_shardings)
+    self.state = None
+    if init_state:
+      self.state = self._init(*self._params(policy_params, critic_params,
+                                            frozen_params))
+    self.train_step = jax.jit(
+        self._train_step,
+        in_shardings=(self.state_shardings, self._batch_shardings()),
+        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+    self.critic_step = jax.jit(
+        self._critic_only_step,
+        in_shardings=(self.state_shardings, self._batch_shardings()),
+        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+
+  # -- state ------------------------------------------------------------------
+
+  def _params(self, policy, critic, frozen, abstract=False):
+    """The parameter states placed with their shardings."""
+    out = []
+    for name, params in (('policy', policy), ('critic', critic),
+                         ('critic_frozen', frozen)):
+      if params is None:
+        out.append(None)
+        continue
+      shardings = self._param_shardings[name]
+      if abstract:
+        out.append(jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+            params, shardings))
+      else:
+        out.append(jax.device_put(params, shardings))
+    return out
+
+  def _init_state(self, policy, critic, frozen) -> LearnerState:
+    cfg = self.config
+    running_mean = None
+    if cfg.advantage.estimator == 'running_mean':
+      slots = (1 if cfg.advantage.running_mean_scope == 'global'
+               else cfg.advantage.running_mean_slots)
+      running_mean = advantages.running_mean_init(
+          slots, cfg.advantage.running_mean_window)
+    return LearnerState(
+        policy=policy, critic=critic, critic_frozen=frozen,
+        actor_opt=self.actor_tx.init(policy),
+        critic_opt=None if critic is None else self.critic_tx.init(critic),
+        running_mean=running_mean,
+        step=jnp.zeros((), jnp.int32), critic_step=jnp.zeros((), jnp.int32))
+
+  def _batch_shardings(self):
+    return {name: self.batch_sharding if rank == 2 else self.row_sharding
+            for name, rank in BATCH_FIELDS.items()}
+
+  # -- models ------------------------------------------------------------------
+
+  def policy_model(self, state=None) -> transformer.CausalLM:
+    """The policy with the current (or given) parameters."""
+    state = self.state if state is None else state
+    return nnx.merge(self._policy_def, state.policy)
+
+  def critic_model(self, state=None) -> critic_lib.ValueModel:
+    state = self.state if state is None else state
+    return nnx.merge(self._critic_def, state.critic, state.critic_frozen)
+
+  @property
+  def version(self) -> int:
+    return int(self.state.step)
+
+  # -- batches -----------------------------------------------------------------
+
+  def device_batch(self, batch, slot_ids=None) -> dict[str, jax.Array]:
+    """A `batching.Batch` (this process's rows) as sharded global arrays.
+
+    On several processes each contributes its rows; the global batch is their
+    concatenation in process order.
+    """
+    arrays = {
+        'tokens': batch.tokens_BxT, 'input_mask': batch.input_mask_BxT,
+        'action_mask': batch.action_mask_BxT,
+        'behavior_logprobs': batch.behavior_logprobs_BxT,
+        'rewards': batch.rewards_BxT, 'reward': batch.reward_B,
+        'num_action_tokens': batch.num_action_tokens_B,
+        'slot_ids': (np.zeros_like(batch.num_action_tokens_B)
+                     if slot_ids is None else np.asarray(slot_ids, np.int32)),
+    }
+    shardings = self._batch_shardings()
+    return {name: _global_array(value, shardings[name])
+            for name, value in arrays.items()}
+
+  # -- steps -------------------------------------------------------------------
+
+  def _critic_updates(self, state: LearnerState, batch, steps: int):
+    """`steps` critic updates towards fixed returns; returns state, metrics."""
+    cfg = self.config
+    critic_model = nnx.merge(self._critic_def, state.critic,
+                             state.critic_frozen)
+    values_before = objectives.critic_values(critic_model, batch)
+    lam_critic = jnp.full(batch['reward'].shape, cfg.critic.lam, _F32)
+    _, returns = objectives.gae(cfg, batch, values_before, lam_critic)
+    returns = jax.lax.stop_gradient(returns)
+    totals = objectives.batch_totals(batch)
+
+    def loss_fn(trainable, micro):
+      model = nnx.merge(self._critic_def, trainable, state.critic_frozen)
+      values = objectives.critic_values(model, micro)
+      loss, metrics = objectives.value_loss(cfg, values, micro['returns'],
+                                            micro, micro['values_before'])
+      weight = objectives.microbatch_weight(micro['action_mask'], totals,
+                                            cfg.policy_loss.aggregation)
+      return loss * weight, dict(metrics, loss=loss)
+
+    data = dict(batch, returns=returns, values_before=values_before)
+
+    def one_update(_, carry):
+      params, opt_state, _ = carry
+      grads, metrics = _accumulate(loss_fn, params, data,
+                                   cfg.optim.microbatches)
+      updates, opt_state = self.critic_tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+      return params, opt_state, metrics
+
+    init_metrics = jax.eval_shape(
+        lambda: one_update(0, (state.critic, state.critic_opt, None))[2])
+    init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                init_metrics)
+    params, opt_state, metrics = jax.lax.fori_loop(
+        0, steps, one_update, (state.critic, state.critic_opt, init_metrics))
+    state = state._replace(critic=params, critic_opt=opt_state,
+                           critic_step=state.critic_step + steps)
+    metrics = {f'critic/{k}': v for k, v in metrics.items()}
+    metrics['critic/nonfinite_skips'] = optimizers.nonfinite_count(opt_state)
+    return state, metrics
+
+  def _critic_only_step(self, state: LearnerState, batch):
+    """Value pretraining: one critic update, the policy untouched."""
+    return self._critic_updates(state, batch, 1)
+
+  def _train_step(self, state: LearnerState, batch):
+    cfg = self.config
+    metrics = {}
+    running_mean = state.running_mean
+    if self.uses_critic:
+      state, critic_metrics = self._critic_updates(
+          state, batch, cfg.critic.steps_per_policy_step)
+      metrics.update(critic_metrics)
+      critic_model = nnx.merge(self._critic_def, state.critic,
+                               state.critic_frozen)
+      values = objectives.critic_values(critic_model, batch)
+      adv, _ = objectives.gae(cfg, batch, values,
+                              objectives.policy_lambda(cfg, batch))
+    else:
+      adv, running_mean = objectives.trajectory_advantages(cfg, batch,
+                                                           running_mean)
+    if cfg.advantage.normalize:
+      adv = advantages.normalize_advantages(adv, batch['action_mask'])
+    adv = jax.lax.stop_gradient(adv)
+    mask = batch['action_mask']
+    count = jnp.maximum(jnp.sum(mask), 1)
+    metrics['advantage/mean'] = jnp.sum(jnp.where(mask, adv, 0.0)) / count
+    metrics['advantage/abs_mean'] = jnp.sum(jnp.where(mask, jnp.abs(adv),
+                                                      0.0)) / count
+    old_logp = None
+    if cfg.policy_loss.name == 'ppo':
+      old_logp, _ = objectives.policy_logprobs(
+          nnx.merge(self._policy_def, state.policy), batch, self.sampling)
+      old_logp = jax.lax.stop_gradient(old_logp)
+    totals = objectives.batch_totals(batch)
+    with_entropy = bool(cfg.policy_loss.entropy_coef)
+
+    def loss_fn(params, micro):
+      model = nnx.merge(self._policy_def, params)
+      logp, entropy = objectives.policy_logprobs(model, micro, self.sampling,
+                                                 with_entropy)
+      loss, loss_metrics = objectives.policy_loss(
+          cfg, logp, micro, micro['advantages'], micro.get('old_logp'),
+          entropy)
+      weight = objectives.microbatch_weight(micro['action_mask'], totals,
+                                            cfg.policy_loss.aggregation)
+      return loss * weight, dict(loss_metrics, loss=loss)
+
+    data = dict(batch, advantages=adv)
+    if old_logp is not None:
+      data['old_logp'] = old_logp
+    grads, policy_metrics = _accumulate(loss_fn, state.policy, data,
+                                        cfg.optim.microbatches)
+    updates, actor_opt = self.actor_tx.update(grads, state.actor_opt,
+                                              state.policy)
+    policy = optax.apply_updates(state.policy, updates)
+    metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
+    metrics['policy/grad_norm'] = optax.global_norm(grads)
+    metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
+    metrics['policy/learning_rate'] = optimizers.schedule(cfg.optim.actor)(
+        state.step)
+    state = state._replace(policy=policy, actor_opt=actor_opt,
+                           running_mean=running_mean, step=state.step + 1)
+    return state, metrics
+
+
+def _accumulate(loss_fn, params, data, microbatches: int):
+  """Sum of gradients (and micro-batch-weighted metrics) over micro-batches.
+
+  `loss_fn(params, micro) -> (weighted_loss, metrics)` returns each
+  micro-batch's share of the full-batch loss, so the sum is the full-batch
+  gradient; token-count metrics add up and ratios are averaged by share.
+  """
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  if microbatches == 1:
+    return grad_fn(params, data)
+  split = jax.tree.map(
+      lambda x: x.reshape((microbatches, x.shape[0] // microbatches)
+                          + x.shape[1:]), data)
+
+  def body(carry, micro):
+    grads, metrics = grad_fn(params, micro)
+    summed = jax.tree.map(jnp.add, carry[0], grads)
+    return (summed, jax.tree.map(jnp.add, carry[1], metrics)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  first = jax.tree.map(lambda x: x[0], split)
+  metric_zeros = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype),
+      jax.eval_shape(lambda: grad_fn(params, first)[1]))
+  (grads, metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), split)
+  # Metrics of each micro-batch are its own means: report their average.
+  metrics = jax.tree.map(lambda m: m / microbatches, metrics)
+  return grads, metrics
+
+
+def _global_array(local, target_sharding):
+  """A global jax.Array from this process's rows (single- or multi-host)."""
+  local = np.asarray(local)
+  if jax.process_count() == 1:
+    return jax.device_put(local, target_sharding)
+  global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+  return jax.make_array_from_process_local_data(target_sharding, local,
+                                                global_shape)
+
+
+def mesh_from_config(config, devices=None):
+  """The learner's mesh: config.mesh resolved against the devices."""
+  devices = jax.devices() if devices is None else devices
+  sizes = sharding.mesh_shape(dict(config.mesh), len(devices))
+  return sharding.make_mesh(sizes, devices)

@@ -1,0 +1,161 @@
+"""What the learner differentiates: log-probs, values, advantages, losses.
+
+Alignment convention. Token t of a trajectory is predicted from the model's
+output at position t-1, so per-token quantities are shifted by one:
+`logp_BxT[:, t] = log pi(tokens[t] | tokens[<t])` and `values_BxT[:, t]` is the
+critic's value of the state before token t (its output at t-1). Position 0 is
+never an action (it is the prompt's first token) and gets 0.
+
+All functions are pure and jit-able; the algorithm's parts are chosen by name
+from the config (SAO.md §3), not by branches spread through the learner.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax import advantages
+from sao_jax import kernels
+from sao_jax import losses
+from sao_jax.models import sampling
+
+_F32 = jnp.float32
+
+
+def _shift_right(x_BxT):
+  """Moves position t-1's output to t; position 0 gets 0."""
+  return jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
+
+
+def policy_logprobs(policy, batch, params: sampling.SamplingParams,
+                    with_entropy: bool = False):
+  """log pi_theta(a_t | s_t) `[B, T]` under the rollout's sampling distribution.
+
+  The learner recomputes exactly what the engine recorded as mu_t (same
+  temperature, top-k, top-p), so their ratio is the importance weight.
+
+  Returns:
+    `(logp_BxT, entropy_BxT or None)`.
+  """
+  logits_BxTxV = policy(batch['tokens'], input_mask=batch['input_mask'])
+  targets_BxT = jnp.roll(batch['tokens'], -1, axis=1)  # token t+1 at t
+  logp_BxTxV = sampling.sampling_logprobs(logits_BxTxV, params)
+  logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None],
+                                 axis=-1)[..., 0]
+  entropy = None
+  if with_entropy:
+    probs = jnp.exp(logp_BxTxV)
+    entropy = _shift_right(-jnp.sum(
+        jnp.where(probs > 0, probs * logp_BxTxV, 0.0), axis=-1))
+  return _shift_right(logp_BxT), entropy
+
+
+def critic_values(critic, batch):
+  """V_phi of the state before each token, `[B, T]` float32."""
+  return _shift_right(critic(batch['tokens'], input_mask=batch['input_mask']))
+
+
+def policy_lambda(config, batch):
+  """lambda_policy: length-adaptive per trajectory (SAO §1.4) or fixed."""
+  adv = config.advantage
+  if adv.adaptive_lambda:
+    return advantages.length_adaptive_lambda(batch['num_action_tokens'],
+                                             adv.alpha)
+  return jnp.full(batch['num_action_tokens'].shape, adv.lam, _F32)
+
+
+def gae(config, batch, values_BxT, lam):
+  """Skip-observation GAE through the kernel the config selects."""
+  return kernels.skip_observation_gae(
+      batch['rewards'], values_BxT, batch['action_mask'],
+      config.advantage.gamma, lam,
+      implementation=config.kernels.implementation)
+
+
+def trajectory_advantages(config, batch, running_mean_state=None):
+  """Critic-free advantages broadcast to action tokens (GRPO, running mean).
+
+  Returns:
+    `(advantages_BxT, new_running_mean_state)`.
+  """
+  estimator = config.advantage.estimator
+  reward_B = batch['reward']
+  if estimator in ('grpo', 'dr_grpo'):
+    group = config.group_size
+    adv_B = advantages.grpo_advantages(
+        reward_B.reshape(-1, group),
+        std_normalize=estimator == 'grpo').reshape(-1)
+  elif estimator == 'running_mean':
+    slots = (None if config.advantage.running_mean_scope == 'global'
+             else batch['slot_ids'])
+    adv_B, running_mean_state = advantages.running_mean_advantages(
+        running_mean_state, reward_B, slots)
+  else:
+    raise ValueError(f'{estimator!r} is not a critic-free estimator')
+  return (advantages.broadcast_to_actions(adv_B, batch['action_mask']),
+          running_mean_state)
+
+
+def policy_loss(config, logp_BxT, batch, adv_BxT, old_logp_BxT=None,
+                entropy_BxT=None):
+  """The configured policy loss (DIS or PPO) plus optional KL / entropy terms.
+
+  Returns:
+    `(loss, metrics)`.
+  """
+  cfg = config.policy_loss
+  mask = batch['action_mask']
+  if cfg.name == 'dis':
+    loss, metrics = kernels.dis_policy_loss(
+        logp_BxT, batch['behavior_logprobs'], adv_BxT, mask, cfg.eps_low,
+        cfg.eps_high, cfg.aggregation,
+        implementation=config.kernels.implementation)
+  else:
+    loss, metrics = losses.ppo_policy_loss(
+        logp_BxT, old_logp_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
+        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation)
+  if cfg.kl_coef:
+    # k3 estimate of KL(mu || pi) on the sampled tokens, differentiable in pi.
+    log_ratio = jnp.where(mask, logp_BxT - batch['behavior_logprobs'], 0.0)
+    k3 = jnp.exp(log_ratio) - 1.0 - log_ratio
+    kl = losses.aggregate(k3, mask, cfg.aggregation)
+    loss = loss + cfg.kl_coef * kl
+    metrics['kl_penalty'] = kl
+  if cfg.entropy_coef:
+    entropy = losses.aggregate(entropy_BxT, mask, cfg.aggregation)
+    loss = loss - cfg.entropy_coef * entropy
+    metrics['entropy'] = entropy
+  return loss, metrics
+
+
+def value_loss(config, values_BxT, returns_BxT, batch, old_values_BxT=None):
+  """The critic's regression loss on action tokens."""
+  clip = config.critic.value_clip or None
+  return losses.value_loss(values_BxT, returns_BxT, batch['action_mask'],
+                           old_values=old_values_BxT if clip else None,
+                           clip_eps=clip,
+                           aggregation=config.policy_loss.aggregation)
+
+
+def microbatch_weight(mask_BxT, totals, aggregation):
+  """The share of the full-batch loss one micro-batch's mean stands for.
+
+  Losses are means over a micro-batch's tokens (or rows); weighting each by
+  its share of the batch's tokens (rows) makes the accumulated gradient equal
+  the full batch's, whatever the split.
+  """
+  if aggregation == 'token_mean':
+    return jnp.sum(mask_BxT) / jnp.maximum(totals['tokens'], 1)
+  rows = jnp.sum(jnp.any(mask_BxT, axis=1))
+  return rows / jnp.maximum(totals['rows'], 1)
+
+
+def batch_totals(batch):
+  mask = batch['action_mask']
+  return {'tokens': jnp.sum(mask).astype(_F32),
+          'rows': jnp.sum(jnp.any(mask, axis=1)).astype(_F32)}
+
+
+def stop_gradient_tree(tree):
+  return jax.tree.map(jax.lax.stop_gradient, tree)

@@ -1,0 +1,113 @@
+"""Host-side bookkeeping of the training loop: metrics, timings, prompt slots."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sao_jax.rollout import trajectory as trajectory_lib
+
+
+def host_metrics(device_metrics: Mapping[str, Any]) -> dict[str, float]:
+  """Device scalars as Python floats (one transfer)."""
+  host = jax.device_get(dict(device_metrics))
+  return {k: float(np.asarray(v)) for k, v in host.items()}
+
+
+def prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
+  return {f'{prefix}/{k}': float(v) for k, v in metrics.items()
+          if isinstance(v, (int, float, np.number))}
+
+
+def batch_metrics(trajectories: Sequence[trajectory_lib.Trajectory],
+                  version: int) -> dict[str, float]:
+  """What the batch says about the rollouts: reward, accuracy, staleness."""
+  rewards = np.array([t.reward for t in trajectories], np.float64)
+  correct = np.array([bool(t.info.get('correct', t.reward >= 1.0))
+                      for t in trajectories])
+  # The batch trains version `version - 1`; staleness from the oldest token.
+  staleness = np.array([version - 1 - t.oldest_version for t in trajectories])
+  lengths = np.array([t.num_action_tokens for t in trajectories])
+  finish = collections.Counter(t.info.get('finish_reason', 'unknown')
+                               for t in trajectories)
+  metrics = {
+      'train/reward': float(rewards.mean()),
+      'train/reward_std': float(rewards.std()),
+      'train/accuracy': float(correct.mean()),
+      'rollout/staleness_mean': float(staleness.mean()),
+      'rollout/staleness_max': float(staleness.max()),
+      'rollout/action_tokens_mean': float(lengths.mean()),
+      'rollout/turns_mean': float(np.mean([t.info.get('turns', 1)
+                                           for t in trajectories])),
+  }
+  for reason, count in finish.items():
+    metrics[f'rollout/finish_{reason}'] = count / len(trajectories)
+  return metrics
+
+
+class StepTimer:
+  """Wall time per phase of a step (wait for data, train, weight sync)."""
+
+  def __init__(self):
+    self._seconds = collections.defaultdict(float)
+    self._start = time.perf_counter()
+
+  @contextlib.contextmanager
+  def phase(self, name: str):
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._seconds[name] += time.perf_counter() - start
+
+  def metrics(self) -> dict[str, float]:
+    """Seconds of this step per phase, and the learner's idle fraction."""
+    total = time.perf_counter() - self._start
+    out = {f'time/{k}_seconds': v for k, v in self._seconds.items()}
+    out['time/step_seconds'] = total
+    # Idle: waiting for trajectories, not computing or syncing.
+    out['time/learner_idle_fraction'] = self._seconds['wait'] / max(total,
+                                                                     1e-9)
+    self._seconds.clear()
+    self._start = time.perf_counter()
+    return out
+
+
+class PromptSlots:
+  """Dense slot ids of prompts for the per-prompt running-mean baseline.
+
+  Prompts get slots in order of first appearance; past `capacity` distinct
+  prompts, new ones share slots by hash (counted), a bounded memory that
+  degrades gracefully for huge prompt sets.
+  """
+
+  def __init__(self, capacity: int):
+    self.capacity = capacity
+    self._slots: dict[str, int] = {}
+    self.shared = 0
+
+  def ids(self, prompt_ids: Iterable[str]) -> np.ndarray:
+    out = []
+    for prompt in prompt_ids:
+      slot = self._slots.get(prompt)
+      if slot is None:
+        if len(self._slots) < self.capacity:
+          slot = self._slots[prompt] = len(self._slots)
+        else:
+          slot = hash(prompt) % self.capacity
+          self.shared += 1
+      out.append(slot)
+    return np.asarray(out, np.int32)
+
+  def state_dict(self) -> dict[str, Any]:
+    return {'slots': dict(self._slots), 'shared': self.shared}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    self._slots = {str(k): int(v) for k, v in state['slots'].items()}
+    self.shared = int(state.get('shared', 0))

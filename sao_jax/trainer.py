@@ -1,0 +1,301 @@
+"""The asynchronous training program: servers, workers, queue, learner.
+
+`run(config, workdir)` is what `python -m sao_jax.train` calls. Top to bottom:
+the model and task; the held-out set (its questions removed from training);
+the learner on its mesh; a resume from the latest checkpoint; the rollout
+servers (local processes on loopback unless addresses are configured); the
+workers filling the queue; an evaluation of the untrained policy; value
+pretraining; then the loop: take a batch, train, push weights every
+`sync_every` steps, log, evaluate, checkpoint; and at the end the final
+evaluation beside the first, the plot, and (optionally) a Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from sao_jax import checkpointing
+from sao_jax import config_lib
+from sao_jax import distributed
+from sao_jax import evaluation
+from sao_jax import learner as learner_lib
+from sao_jax import metrics_log
+from sao_jax import plots
+from sao_jax import progress as progress_lib
+from sao_jax import task_ledger
+from sao_jax import train_metrics
+from sao_jax.models import pretrained
+from sao_jax.rollout import batching
+from sao_jax.rollout import episodes
+from sao_jax.rollout import local_servers
+from sao_jax.rollout import queue as queue_lib
+from sao_jax.rollout import weight_sync
+from sao_jax.rollout import workers
+from sao_jax.rollout.environments import registry
+from sao_jax.rollout.environments import task_stream
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a finished (or stopped) run reports."""
+  steps: int
+  before: evaluation.EvalResult | None
+  after: evaluation.EvalResult | None
+  plot_path: str | None
+  stopped_early: bool
+
+
+class _Rollouts:
+  """Servers, queue and workers of this process, and how weights reach them."""
+
+  def __init__(self, config, workdir, tok, env, ledger, vocab_size,
+               batch_size, version):
+    r = config.rollout
+    self.secret = (weight_sync.read_secret(r.admin_secret_file or None)
+                   if r.server_addresses or r.admin_secret_file
+                   else secrets.token_hex(16))
+    self.servers = []
+    if r.server_addresses:
+      self.addresses = [a.strip() for a in r.server_addresses.split(',')
+                        if a.strip()]
+    else:
+      config_path = os.path.join(workdir, 'server_config.py')
+      config_lib.write_config_file(config, config_path)
+      self.servers = local_servers.start(
+          config_path, count=r.num_servers, secret=self.secret,
+          log_dir=os.path.join(workdir, 'server_logs'))
+      self.addresses = [s.address for s in self.servers]
+    self.publisher = weight_sync.WeightPublisher(self.addresses, self.secret)
+    self.queue = queue_lib.RolloutQueue(
+        batch_size, r.max_staleness, vocab_size, r.max_sequence_length,
+        group_size=config.group_size, capacity=r.queue_capacity or None,
+        logprob_tolerance=r.logprob_tolerance)
+    self.queue.set_learner_version(version)
+    self.queue.set_rollout_version(version)
+    self.runner = workers.RolloutRunner(
+        addresses=self.addresses, env=env, next_task=ledger.next_task,
+        queue=self.queue, tok=tok,
+        limits=episodes.EpisodeLimits(
+            max_new_tokens=r.max_new_tokens,
+            max_sequence_length=r.max_sequence_length,
+            max_prompt_length=r.max_prefill_length - 1),
+        num_workers=r.num_workers, group_size=config.group_size,
+        group_in_one_request=r.group_in_one_request,
+        pool_options=dict(stop_ids=tok.stop_ids,
+                          max_in_flight_per_server=r.max_in_flight_per_server,
+                          deadline_s=r.request_deadline_s,
+                          max_retries=r.max_retries,
+                          max_prompt_length=r.max_prefill_length - 1))
+    self.weights_dir = os.path.join(workdir, 'weights')
+
+  def start(self):
+    self.runner.start()
+
+  def push(self, policy_state, version: int) -> dict[str, float]:
+    """Writes the policy and makes every server serve it as `version`."""
+    start = time.perf_counter()
+    path = os.path.join(self.weights_dir, f'v{version}')
+    weight_sync.save_policy(path, policy_state)
+    saved = time.perf_counter()
+    result = self.runner.call(self.publisher.push(path, version))
+    self.queue.set_rollout_version(version)
+    for old in os.listdir(self.weights_dir):
+      if old != f'v{version}':
+        shutil.rmtree(os.path.join(self.weights_dir, old), ignore_errors=True)
+    return {'time/weight_save_seconds': saved - start,
+            'time/weight_push_seconds': result.seconds,
+            'rollout/servers_updated': float(len(result.updated)),
+            'rollout/servers_failed_update': float(len(result.failed))}
+
+  def stop(self):
+    self.runner.stop()
+    local_servers.stop(self.servers)
+
+
+def run(config, workdir: str) -> RunResult:
+  """Trains as `config` says, in `workdir` (resuming what is there)."""
+  config_lib.validate(config)
+  distributed.initialize(config.distributed)
+  chief = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  stop_flag = checkpointing.install_sigterm_handler()
+  logger = metrics_log.MetricsLogger(workdir, tensorboard=config.log.tensorboard,
+                                     is_chief=chief)
+  model, tok = pretrained.from_pretrained(
+      config.model.source, dtype=config.model.dtype,
+      param_dtype=config.model.param_dtype, remat=config.model.remat)
+  env = registry.make(config.task)
+  held_out = evaluation.held_out_tasks(env, config.task.held_out)
+  ledger = task_ledger.TaskLedger(task_stream.TaskStream(
+      env, exclude_questions={t.question for t in held_out}))
+  mesh = learner_lib.mesh_from_config(config)
+  learner = learner_lib.Learner(config, model, mesh)
+  ckpt = checkpointing.Checkpointer(
+      os.path.join(workdir, 'checkpoints'),
+      max_to_keep=config.checkpoint.max_to_keep,
+      save_interval_steps=config.checkpoint.every)
+  slots = train_metrics.PromptSlots(config.advantage.running_mean_slots)
+  meta: dict[str, Any] = {}
+  if ckpt.latest_step() is not None:
+    learner.state, meta = ckpt.restore(abstract_state=learner.abstract_state)
+    ledger.load_state_dict(meta['ledger'])
+    slots.load_state_dict(meta['prompt_slots'])
+    _log.info('resumed from step %d', int(learner.state.step))
+  step = int(learner.state.step)
+  batch_size = config.batch_size // jax.process_count()
+  rollouts = _Rollouts(config, workdir, tok, env, ledger,
+                       model.config.vocab_size, batch_size, step)
+  if meta.get('queue'):
+    rollouts.queue.load_state_dict(meta['queue'])
+  progress = progress_lib.Progress(config.total_steps, initial=step,
+                                   enabled=chief and config.log.progress)
+  before = after = None
+  stopped = False
+  try:
+    if step > 0:  # servers start from the model source: catch them up
+      rollouts.push(learner.state.policy, step)
+    env.on_policy_step(step)
+    rollouts.start()
+    if config.eval.at_start and step == 0:
+      before = _evaluate(learner, tok, env, held_out, config, logger, 0,
+                         progress)
+    elif meta.get('eval_before'):
+      before = evaluation.EvalResult(**meta['eval_before'])
+    if step == 0 and learner.uses_critic and not meta.get('pretrained'):
+      _pretrain_critic(learner, rollouts, config, logger, slots, ledger)
+    tracker = train_metrics.StepTimer()
+    while step < config.total_steps:
+      with tracker.phase('wait'):
+        trajectories = rollouts.queue.get_batch_blocking(
+            timeout=config.rollout.get_batch_timeout_s)
+      batch = batching.assemble_batch(trajectories,
+                                      config.rollout.max_sequence_length,
+                                      tok.pad_id or 0)
+      with tracker.phase('train'):
+        learner.state, device_metrics = learner.train_step(
+            learner.state, learner.device_batch(
+                batch, slots.ids(batch.prompt_ids)))
+        jax.block_until_ready(learner.state.step)
+      ledger.mark_done({t.info['task_index'] for t in trajectories})
+      step += 1
+      rollouts.queue.set_learner_version(step)
+      env.on_policy_step(step)
+      metrics = train_metrics.host_metrics(device_metrics)
+      if step % config.rollout.sync_every == 0:
+        with tracker.phase('sync'):
+          if config.rollout.max_staleness == 0:
+            rollouts.queue.drain_blocking()
+          metrics.update(rollouts.push(learner.state.policy, step))
+      metrics.update(train_metrics.batch_metrics(trajectories, step))
+      metrics.update(train_metrics.prefixed('queue', rollouts.queue.stats()))
+      metrics.update(train_metrics.prefixed('rollout',
+                                            rollouts.runner.stats()))
+      metrics.update(tracker.metrics())
+      logger.write(step, metrics)
+      logger.write_histogram(step, 'rollout/staleness',
+                             [step - 1 - t.oldest_version
+                              for t in trajectories])
+      progress.update(step, metrics,
+                      trajectories=step * config.batch_size)
+      if config.eval.every and step % config.eval.every == 0 and (
+          step < config.total_steps):
+        _evaluate(learner, tok, env, held_out, config, logger, step, progress)
+      stopped = stop_flag.should_stop()
+      ckpt.save(step, learner.state, _metadata(
+          config, ledger, slots, rollouts, before), force=stopped)
+      if stopped:
+        progress.print_line(f'stop requested: saved step {step}, exiting')
+        break
+    if not stopped:
+      after = _evaluate(learner, tok, env, held_out, config, logger, step,
+                        progress)
+      ckpt.save(step, learner.state, _metadata(
+          config, ledger, slots, rollouts, before), force=True)
+  finally:
+    ckpt.wait()
+    progress.close()
+    rollouts.stop()
+    logger.close()
+    stop_flag.uninstall()
+  plot_path = None
+  if chief:
+    plot_path = plots.plot_learning_curves(
+        os.path.join(workdir, 'metrics.jsonl'),
+        os.path.join(workdir, 'learning_curves.png'),
+        title=f'{config.algorithm} on {config.task.name}')
+    if config.export_hf and not stopped:
+      pretrained.export_pretrained(learner.policy_model(), tok,
+                                   os.path.join(workdir, 'hf_export'))
+  ckpt.close()
+  return RunResult(step, before, after, plot_path, stopped)
+
+
+def _metadata(config, ledger, slots, rollouts, before) -> dict[str, Any]:
+  return {
+      'ledger': ledger.state_dict(),
+      'prompt_slots': slots.state_dict(),
+      'queue': rollouts.queue.state_dict(),
+      'pretrained': True,
+      'eval_before': (dataclasses.asdict(before) if before is not None
+                      else None),
+      'config': config.to_json(),
+  }
+
+
+def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
+  if not tasks:
+    return None
+  result = evaluation.evaluate(
+      learner.policy_model(), tok, env, tasks,
+      max_new_tokens=config.eval.max_new_tokens,
+      batch_size=config.eval.batch_size)
+  logger.write(step, {'eval/accuracy': result.accuracy,
+                      'eval/accuracy_se': result.standard_error,
+                      'eval/mean_reward': result.mean_reward,
+                      'eval/seconds': result.seconds})
+  progress.update(step, {'eval/accuracy': result.accuracy})
+  progress.print_line(f'step {step}: held-out accuracy {result.accuracy:.3f}'
+                      f' +- {result.standard_error:.3f} (n={result.n})')
+  return result
+
+
+def _pretrain_critic(learner, rollouts, config, logger, slots, ledger):
+  """Value pretraining (SAO §1.3): regress the initial policy's returns.
+
+  Batches come from the frozen initial policy (version 0: nothing is pushed);
+  stops at `critic.pretrain_steps` or when explained variance has not
+  improved by `pretrain_min_delta` for `pretrain_patience` steps.
+  """
+  cfg = config.critic
+  best, since_best = -np.inf, 0
+  for i in range(cfg.pretrain_steps):
+    trajectories = rollouts.queue.get_batch_blocking(
+        timeout=config.rollout.get_batch_timeout_s)
+    batch = batching.assemble_batch(trajectories,
+                                    config.rollout.max_sequence_length, 0)
+    learner.state, m = learner.critic_step(
+        learner.state, learner.device_batch(batch,
+                                            slots.ids(batch.prompt_ids)))
+    # The policy does not move: keep the queue's staleness clock at 0.
+    rollouts.queue.set_learner_version(0)
+    ledger.mark_done({t.info['task_index'] for t in trajectories})
+    m = train_metrics.host_metrics(m)
+    logger.write(i, train_metrics.prefixed('pretrain', m))
+    ev = m.get('critic/explained_variance', float('nan'))
+    if np.isfinite(ev) and ev > best + cfg.pretrain_min_delta:
+      best, since_best = ev, 0
+    else:
+      since_best += 1
+    if since_best >= cfg.pretrain_patience:
+      break

@@ -1,0 +1,197 @@
+"""The learner's step: sharded like one device, micro-batched like one batch,
+NaN-safe, every algorithm, both kernel implementations."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from sao_jax import config_lib
+from sao_jax import learner as learner_lib
+from sao_jax.models import tiny
+from sao_jax.rollout import batching
+from sao_jax.rollout import trajectory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 8
+
+
+def make_config(algorithm='sao', lr=1e-2, **changes):
+  config = config_lib.load_config(
+      os.path.join(ROOT, 'configs', 'default.py') + f':algorithm={algorithm}')
+  config.batch_size = BATCH
+  config.group_size = 4 if config.group_size > 1 else 1
+  for role in ('actor', 'critic'):
+    config.optim[role].learning_rate = lr
+    config.optim[role].warmup_steps = 0
+  for key, value in changes.items():
+    node = config
+    *parents, leaf = key.split('.')
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def fake_batch(seed, nan_reward=False):
+  """Multi-turn-shaped trajectories: prompt, action, observation, action."""
+  rng = np.random.default_rng(seed)
+  trajs = []
+  for i in range(BATCH):
+    length = int(rng.integers(14, 30))
+    tokens = rng.integers(3, tiny.VOCAB, length).astype(np.int32)
+    mask = np.zeros(length, bool)
+    mask[5:] = True
+    mask[9:12] = False  # an observation
+    logp = np.where(mask, -rng.uniform(0.5, 4.0, length), 0.0)
+    reward = float(rng.integers(0, 2))
+    if nan_reward and i == 3:
+      reward = float('nan')
+    trajs.append(trajectory.Trajectory(
+        prompt_id=f'p{i // 4}', tokens=tokens, action_mask=mask,
+        behavior_logprobs=logp.astype(np.float32),
+        versions=np.where(mask, 0, -1).astype(np.int32), reward=reward))
+  return batching.assemble_batch(trajs, 32, 0)
+
+
+def make_learner(config, devices):
+  model, _ = tiny.make(seed=1)
+  mesh = learner_lib.mesh_from_config(config, devices)
+  return learner_lib.Learner(config, model, mesh)
+
+
+@pytest.fixture(scope='module')
+def one_device():
+  """A compiled one-device SAO learner and a way back to its first state.
+
+  Compiling a learner takes most of a test's time; tests share this one and
+  start from a copy of the initial state (steps donate the state they get).
+  """
+  learner = make_learner(make_config(lr=1e-4, **{'mesh.data': 1}),
+                         jax.devices()[:1])
+  initial = jax.tree.map(np.asarray, learner.state)
+
+  def fresh():
+    learner.state = jax.device_put(initial, learner.state_shardings)
+    return learner
+
+  return fresh
+
+
+def flat(tree):
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in
+          jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def run(learner, seeds, **batch_kwargs):
+  metrics = []
+  for seed in seeds:
+    learner.state, m = learner.train_step(
+        learner.state, learner.device_batch(fake_batch(seed, **batch_kwargs)))
+    metrics.append(jax.tree.map(np.asarray, m))
+  return metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh', [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_step_equals_one_device(mesh, one_device):
+  data, fsdp, tensor = mesh
+  # Adam turns reduction-order noise in near-zero gradients into full-size
+  # steps; a small learning rate keeps the comparison at f32 noise level.
+  one = one_device()
+  many = make_learner(make_config(lr=1e-4, **{'mesh.data': data,
+                                              'mesh.fsdp': fsdp,
+                                              'mesh.tensor': tensor}),
+                      jax.devices()[:data * fsdp * tensor])
+  q_proj = many.state.policy['decoder']['blocks']['attn']['q_proj'][...]
+  if tensor > 1:
+    assert 'tensor' in str(q_proj.sharding.spec)
+  if fsdp > 1:
+    assert 'fsdp' in str(q_proj.sharding.spec)
+  m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
+  for a, b in zip(m_one, m_many):
+    for key in ('policy/loss', 'critic/loss', 'policy/grad_norm'):
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6,
+                                 err_msg=key)
+  params_one, params_many = flat(one.state.policy), flat(many.state.policy)
+  for key, value in params_one.items():
+    np.testing.assert_allclose(params_many[key], value, rtol=1e-5, atol=1e-7,
+                               err_msg=key)
+  critic_one, critic_many = flat(one.state.critic), flat(many.state.critic)
+  for key, value in critic_one.items():
+    np.testing.assert_allclose(critic_many[key], value, rtol=1e-5, atol=1e-7,
+                               err_msg=key)
+
+
+def test_microbatches_accumulate_to_the_full_batch(one_device):
+  full = one_device()
+  split = make_learner(make_config(lr=1e-4, **{'mesh.data': 1,
+                                               'optim.microbatches': 4}),
+                       jax.devices()[:1])
+  run(full, [0])
+  run(split, [0])
+  for key, value in flat(full.state.policy).items():
+    np.testing.assert_allclose(flat(split.state.policy)[key], value,
+                               rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_nan_reward_skips_the_update_and_is_counted(one_device):
+  learner = one_device()
+  before_policy = flat(learner.state.policy)
+  before_critic = flat(learner.state.critic)
+  (metrics,) = run(learner, [0], nan_reward=True)
+  assert metrics['policy/nonfinite_skips'] == 1
+  assert metrics['critic/nonfinite_skips'] == 2  # K = 2 critic updates
+  for key, value in flat(learner.state.policy).items():
+    np.testing.assert_array_equal(value, before_policy[key])
+  for key, value in flat(learner.state.critic).items():
+    np.testing.assert_array_equal(value, before_critic[key])
+  # The next, healthy batch trains normally.
+  (metrics,) = run(learner, [1])
+  assert metrics['policy/nonfinite_skips'] == 1
+  assert np.isfinite(metrics['policy/loss'])
+  changed = [k for k, v in flat(learner.state.policy).items()
+             if not np.array_equal(v, before_policy[k])]
+  assert changed
+
+
+@pytest.mark.parametrize('algorithm', [
+    a for a in config_lib.ALGORITHMS if a != 'sao'])  # sao: every other test
+def test_every_algorithm_trains(algorithm):
+  learner = make_learner(make_config(algorithm, **{'mesh.data': 1}),
+                         jax.devices()[:1])
+  before = flat(learner.state.policy)
+  metrics = run(learner, [0, 1])
+  assert int(learner.state.step) == 2
+  for m in metrics:
+    assert np.isfinite(m['policy/loss']) and m['policy/nonfinite_skips'] == 0
+  after = flat(learner.state.policy)
+  assert any(not np.array_equal(after[k], before[k]) for k in before)
+  assert ('critic/loss' in metrics[0]) == config_lib.ALGORITHMS[algorithm][
+      'critic']
+
+
+def test_frozen_attention_critic_keeps_attention_in_the_learner(one_device):
+  learner = one_device()
+  frozen_before = flat(learner.state.critic_frozen)
+  assert any("'attn'" in k for k in frozen_before)
+  assert not any("'attn'" in k for k in flat(learner.state.critic))
+  run(learner, [0, 1])
+  for key, value in flat(learner.state.critic_frozen).items():
+    np.testing.assert_array_equal(value, frozen_before[key])
+
+
+def test_kernel_implementation_switch_gives_identical_results(one_device):
+  results = {}
+  for implementation in ('xla', 'pallas'):
+    learner = one_device() if implementation == 'xla' else make_learner(
+        make_config(lr=1e-4, **{'mesh.data': 1,
+                                'kernels.implementation': implementation}),
+        jax.devices()[:1])
+    results[implementation] = (run(learner, [0])[0], flat(learner.state.policy))
+  (m_xla, p_xla), (m_pallas, p_pallas) = results['xla'], results['pallas']
+  np.testing.assert_allclose(m_pallas['policy/loss'], m_xla['policy/loss'],
+                             rtol=1e-5)
+  for key, value in p_xla.items():
+    np.testing.assert_allclose(p_pallas[key], value, rtol=1e-5, atol=1e-7)
