@@ -214,7 +214,13 @@ class Learner:
     cfg = self.config
     critic_model = nnx.merge(self._critic_def, state.critic,
                              state.critic_frozen)
-    values_before = objectives.critic_values(critic_model, batch)
+    if cfg.critic.lam == 1.0 and cfg.advantage.gamma == 1.0 and not (
+        cfg.critic.value_clip):
+      # Monte-Carlo returns (SAO's lambda_critic = 1) do not depend on V:
+      # skip a forward pass of the critic.
+      values_before = jnp.zeros(batch['rewards'].shape, _F32)
+    else:
+      values_before = objectives.critic_values(critic_model, batch)
     lam_critic = jnp.full(batch['reward'].shape, cfg.critic.lam, _F32)
     _, returns = objectives.gae(cfg, batch, values_before, lam_critic)
     returns = jax.lax.stop_gradient(returns)

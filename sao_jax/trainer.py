@@ -12,6 +12,7 @@ evaluation beside the first, the plot, and (optionally) a Hugging Face export.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -108,7 +109,10 @@ class _Rollouts:
     path = os.path.join(self.weights_dir, f'v{version}')
     weight_sync.save_policy(path, policy_state)
     saved = time.perf_counter()
-    result = self.runner.call(self.publisher.push(path, version))
+    push = self.publisher.push(path, version)
+    # Before the workers start (a resume), there is no loop to borrow yet.
+    result = (self.runner.call(push) if self.runner.loop is not None
+              else asyncio.run(push))
     self.queue.set_rollout_version(version)
     for old in os.listdir(self.weights_dir):
       if old != f'v{version}':
@@ -187,7 +191,8 @@ def run(config, workdir: str) -> RunResult:
             learner.state, learner.device_batch(
                 batch, slots.ids(batch.prompt_ids)))
         jax.block_until_ready(learner.state.step)
-      ledger.mark_done({t.info['task_index'] for t in trajectories})
+      task_indices = sorted({t.info['task_index'] for t in trajectories})
+      ledger.mark_done(task_indices)
       step += 1
       rollouts.queue.set_learner_version(step)
       env.on_policy_step(step)
@@ -198,6 +203,10 @@ def run(config, workdir: str) -> RunResult:
             rollouts.queue.drain_blocking()
           metrics.update(rollouts.push(learner.state.policy, step))
       metrics.update(train_metrics.batch_metrics(trajectories, step))
+      metrics.update({'data/task_min': task_indices[0],
+                      'data/task_max': task_indices[-1],
+                      'data/task_sum': sum(task_indices),
+                      'data/frontier': ledger.state_dict()['stream']['cursor']})
       metrics.update(train_metrics.prefixed('queue', rollouts.queue.stats()))
       metrics.update(train_metrics.prefixed('rollout',
                                             rollouts.runner.stats()))
