@@ -4,7 +4,7 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-WORKDIR ?= runs/demo
+WORKDIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: demo test clean
 
@@ -24,8 +24,10 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
+# SAO on SmolLM2-135M-Instruct (embedded) and one-digit chain sums, with local
+# JetStream servers; a fresh workdir each time (pass WORKDIR=... to resume).
 demo: $(VENV)/.installed
-	$(BIN)/python -m sao_jax.toy_demo --config=configs/default.py --workdir=$(WORKDIR)
+	$(BIN)/python -m sao_jax.train --config=configs/default.py --workdir=$(WORKDIR)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -33,6 +33,7 @@ def get_config(arg=None):
   c.rollout.max_sequence_length = 64
   c.rollout.max_new_tokens = 8
   c.eval.max_new_tokens = 8
+  c.eval.every = 0  # at the start and end only
   c.eval.batch_size = 16
   c.checkpoint.every = 10
   return c

@@ -264,6 +264,13 @@ def validate(config: ml_collections.ConfigDict,
           f'config.batch_size={batch} is not divisible by the data-parallel'
           f' size {shards} (config.mesh data x fsdp = {mesh["data"]} x'
           f' {mesh["fsdp"]})')
+    elif microbatches and batch % (shards * microbatches):
+      # Every micro-batch takes rows from every batch shard.
+      problems.append(
+          f'config.batch_size={batch} must split into'
+          f' config.optim.microbatches={microbatches} micro-batches of rows'
+          f' from each of the {shards} data-parallel shards (batch_size a'
+          f' multiple of {shards * microbatches})')
 
   if problems:
     raise ConfigError('invalid config: ' + '; '.join(problems))

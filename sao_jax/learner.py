@@ -112,8 +112,8 @@ class Learner:
     abstract_params = self._params(policy_params, critic_params,
                                    frozen_params, abstract=True)
     abstract = jax.eval_shape(self._init_state, *abstract_params)
-    # The compiler's propagation lays the optimiser moments out like their
-    # parameters; reading its choice keeps one source of truth.
+    # Read the layout of the whole state (moments pinned like their
+    # parameters, counters replicated) from the compiled initialiser.
     self.state_shardings = jax.jit(self._init_state).lower(
         *abstract_params).compile().output_shardings
     self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
@@ -122,8 +122,11 @@ class Learner:
         abstract, self.state_shardings)
     self.state = None
     if init_state:
-      self.state = self._init(*self._params(policy_params, critic_params,
-                                            frozen_params))
+      # Wait for it: XLA:CPU can deadlock when a sharded program with
+      # collectives starts on some devices while another still runs on the
+      # rest (jax 0.10, fake CPU devices); the first step would be that one.
+      self.state = jax.block_until_ready(self._init(*self._params(
+          policy_params, critic_params, frozen_params)))
     self.train_step = jax.jit(
         self._train_step,
         in_shardings=(self.state_shardings, self._batch_shardings()),
@@ -162,10 +165,22 @@ class Learner:
           slots, cfg.advantage.running_mean_window)
     return LearnerState(
         policy=policy, critic=critic, critic_frozen=frozen,
-        actor_opt=self.actor_tx.init(policy),
-        critic_opt=None if critic is None else self.critic_tx.init(critic),
+        actor_opt=self._sharded_opt_state(self.actor_tx, policy, 'policy'),
+        critic_opt=(None if critic is None else
+                    self._sharded_opt_state(self.critic_tx, critic, 'critic')),
         running_mean=running_mean,
         step=jnp.zeros((), jnp.int32), critic_step=jnp.zeros((), jnp.int32))
+
+  def _sharded_opt_state(self, tx, params, name):
+    """`tx.init(params)` with every moment sharded like its parameter.
+
+    The moments are zeros, which carry no data dependence on the parameters:
+    left to propagation they come out replicated, a full f32 copy of the
+    model per moment on every device.
+    """
+    return optax.tree_map_params(
+        tx, jax.lax.with_sharding_constraint, tx.init(params),
+        self._param_shardings[name])
 
   def _batch_shardings(self):
     return {name: self.batch_sharding if rank == 2 else self.row_sharding
@@ -222,7 +237,8 @@ class Learner:
     else:
       values_before = objectives.critic_values(critic_model, batch)
     lam_critic = jnp.full(batch['reward'].shape, cfg.critic.lam, _F32)
-    _, returns = objectives.gae(cfg, batch, values_before, lam_critic)
+    _, returns = objectives.gae(cfg, batch, values_before, lam_critic,
+                                 self.mesh)
     returns = jax.lax.stop_gradient(returns)
     totals = objectives.batch_totals(batch)
 
@@ -240,7 +256,8 @@ class Learner:
     def one_update(_, carry):
       params, opt_state, _ = carry
       grads, metrics = _accumulate(loss_fn, params, data,
-                                   cfg.optim.microbatches)
+                                   cfg.optim.microbatches,
+                                   self._param_shardings['critic'])
       updates, opt_state = self.critic_tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       metrics = dict(metrics, grad_norm=optax.global_norm(grads))
@@ -274,7 +291,7 @@ class Learner:
                                state.critic_frozen)
       values = objectives.critic_values(critic_model, batch)
       adv, _ = objectives.gae(cfg, batch, values,
-                              objectives.policy_lambda(cfg, batch))
+                              objectives.policy_lambda(cfg, batch), self.mesh)
     else:
       adv, running_mean = objectives.trajectory_advantages(cfg, batch,
                                                            running_mean)
@@ -300,7 +317,7 @@ class Learner:
                                                  with_entropy)
       loss, loss_metrics = objectives.policy_loss(
           cfg, logp, micro, micro['advantages'], micro.get('old_logp'),
-          entropy)
+          entropy, self.mesh)
       weight = objectives.microbatch_weight(micro['action_mask'], totals,
                                             cfg.policy_loss.aggregation)
       return loss * weight, dict(loss_metrics, loss=loss)
@@ -309,7 +326,8 @@ class Learner:
     if old_logp is not None:
       data['old_logp'] = old_logp
     grads, policy_metrics = _accumulate(loss_fn, state.policy, data,
-                                        cfg.optim.microbatches)
+                                        cfg.optim.microbatches,
+                                        self._param_shardings['policy'])
     updates, actor_opt = self.actor_tx.update(grads, state.actor_opt,
                                               state.policy)
     policy = optax.apply_updates(state.policy, updates)
@@ -323,26 +341,35 @@ class Learner:
     return state, metrics
 
 
-def _accumulate(loss_fn, params, data, microbatches: int):
+def _accumulate(loss_fn, params, data, microbatches: int, shardings):
   """Sum of gradients (and micro-batch-weighted metrics) over micro-batches.
 
   `loss_fn(params, micro) -> (weighted_loss, metrics)` returns each
   micro-batch's share of the full-batch loss, so the sum is the full-batch
   gradient; token-count metrics add up and ratios are averaged by share.
+  Gradients are pinned to `shardings` (the parameters' FSDP layout): left to
+  propagation, a loop-carried sum can come out replicated, and then every
+  device holds a full copy of the model's gradients.
   """
+  pin = lambda tree: jax.lax.with_sharding_constraint(tree, shardings)
   grad_fn = jax.grad(loss_fn, has_aux=True)
   if microbatches == 1:
-    return grad_fn(params, data)
+    grads, metrics = grad_fn(params, data)
+    return pin(grads), metrics
+  # Strided, not contiguous: micro-batch m is rows m, m + M, m + 2M, ... so
+  # that each takes the same number of rows from every batch shard (the rows
+  # are sharded in contiguous blocks) and no micro-batch idles devices.
   split = jax.tree.map(
-      lambda x: x.reshape((microbatches, x.shape[0] // microbatches)
-                          + x.shape[1:]), data)
+      lambda x: jnp.swapaxes(
+          x.reshape((x.shape[0] // microbatches, microbatches)
+                    + x.shape[1:]), 0, 1), data)
 
   def body(carry, micro):
     grads, metrics = grad_fn(params, micro)
-    summed = jax.tree.map(jnp.add, carry[0], grads)
+    summed = pin(jax.tree.map(jnp.add, carry[0], pin(grads)))
     return (summed, jax.tree.map(jnp.add, carry[1], metrics)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = pin(jax.tree.map(jnp.zeros_like, params))
   first = jax.tree.map(lambda x: x[0], split)
   metric_zeros = jax.tree.map(
       lambda s: jnp.zeros(s.shape, s.dtype),

@@ -426,6 +426,10 @@ def _open_for_append(path: str):
 
 def _tensorboard_writer(logdir: str):
   """Imports TensorFlow (lazily: seconds, hundreds of MB) and opens a writer."""
+  # TensorFlow's C++ start-up chatter (oneDNN notices, a failed cuInit on a
+  # machine without GPUs) is noise in a training run's console: JAX owns the
+  # devices and TF only writes summaries; its Python errors still raise.
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   try:
     # Keep TF off the accelerators: JAX owns them, and TF's default is to

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax import advantages
-from sao_jax import kernels
 from sao_jax import losses
+from sao_jax.kernels import partitioned
 from sao_jax.models import sampling
 
 _F32 = jnp.float32
@@ -65,11 +65,14 @@ def policy_lambda(config, batch):
   return jnp.full(batch['num_action_tokens'].shape, adv.lam, _F32)
 
 
-def gae(config, batch, values_BxT, lam):
-  """Skip-observation GAE through the kernel the config selects."""
-  return kernels.skip_observation_gae(
+def gae(config, batch, values_BxT, lam, mesh=None):
+  """Skip-observation GAE through the kernel the config selects.
+
+  `mesh`: the learner's mesh, over whose batch shards a Pallas kernel runs.
+  """
+  return partitioned.skip_observation_gae(
       batch['rewards'], values_BxT, batch['action_mask'],
-      config.advantage.gamma, lam,
+      config.advantage.gamma, lam, mesh=mesh,
       implementation=config.kernels.implementation)
 
 
@@ -98,7 +101,7 @@ def trajectory_advantages(config, batch, running_mean_state=None):
 
 
 def policy_loss(config, logp_BxT, batch, adv_BxT, old_logp_BxT=None,
-                entropy_BxT=None):
+                entropy_BxT=None, mesh=None):
   """The configured policy loss (DIS or PPO) plus optional KL / entropy terms.
 
   Returns:
@@ -107,9 +110,9 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, old_logp_BxT=None,
   cfg = config.policy_loss
   mask = batch['action_mask']
   if cfg.name == 'dis':
-    loss, metrics = kernels.dis_policy_loss(
+    loss, metrics = partitioned.dis_policy_loss(
         logp_BxT, batch['behavior_logprobs'], adv_BxT, mask, cfg.eps_low,
-        cfg.eps_high, cfg.aggregation,
+        cfg.eps_high, cfg.aggregation, mesh=mesh,
         implementation=config.kernels.implementation)
   else:
     loss, metrics = losses.ppo_policy_loss(

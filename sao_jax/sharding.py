@@ -115,7 +115,8 @@ def state_shardings(state, mesh, rules=DEFAULT_RULES):
   Variables without the metadata (counters, RNG state) are replicated.
   """
   def one(var):
-    value = var[...] if isinstance(var, nnx.Variable) else var
+    # The raw value: an array, or a ShapeDtypeStruct when planning a compile.
+    value = var.get_raw_value() if isinstance(var, nnx.Variable) else var
     axes = (var.get_metadata().get('logical_axes')
             if isinstance(var, nnx.Variable) else None)
     if axes is None:

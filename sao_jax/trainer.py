@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -269,6 +270,9 @@ def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
       learner.policy_model(), tok, env, tasks,
       max_new_tokens=config.eval.max_new_tokens,
       batch_size=config.eval.batch_size)
+  if jax.process_index() == 0:
+    _save_replies(os.path.join(logger.workdir, 'eval', f'step_{step}.jsonl'),
+                  tasks, result)
   logger.write(step, {'eval/accuracy': result.accuracy,
                       'eval/accuracy_se': result.standard_error,
                       'eval/mean_reward': result.mean_reward,
@@ -308,3 +312,13 @@ def _pretrain_critic(learner, rollouts, config, logger, slots, ledger):
       since_best += 1
     if since_best >= cfg.pretrain_patience:
       break
+
+
+def _save_replies(path, tasks, result) -> None:
+  """What the policy answered on each held-out task (for inspection)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w') as f:
+    for task, reply, correct in zip(tasks, result.replies, result.correct):
+      f.write(json.dumps({'task_id': task.id, 'question': task.question,
+                          'expected': str(task.answer), 'reply': reply,
+                          'correct': bool(correct)}) + '\n')

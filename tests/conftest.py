@@ -8,7 +8,20 @@ suite that silently collects nothing (or skips everything) must not pass CI.
 
 import os
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# Eight fake CPU devices on two cores. XLA:CPU's concurrency-optimised
+# scheduler lets one device start two independent collectives at once (say a
+# global all-reduce and an FSDP-group one); each blocks a worker thread in its
+# rendezvous, and with devices waiting on different collectives the step
+# deadlocks (jax 0.10: a (2,4,1)-mesh SAO step hung about two runs in three;
+# with the scheduler off, 12 of 12 passed). When a collective does wait, XLA
+# aborts the process after its terminate timeout: make that long.
+os.environ.setdefault('XLA_FLAGS', ' '.join([
+    '--xla_force_host_platform_device_count=8',
+    '--xla_cpu_enable_concurrency_optimized_scheduler=false',
+    '--xla_cpu_collective_call_terminate_timeout_seconds=900',
+    '--xla_cpu_collective_call_warn_stuck_timeout_seconds=300',
+    '--xla_cpu_collective_timeout_seconds=900',
+]))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # The TPU compile tests load libtpu (compile-only); subprocesses that do too
 # (benchmark quick modes) would otherwise fail on libtpu's process lock.

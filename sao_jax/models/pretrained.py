@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sao_jax.models import architectures
 from sao_jax.models import gguf_checkpoint
 from sao_jax.models import hf_checkpoint
 from sao_jax.models import model_config
@@ -74,6 +75,28 @@ def from_pretrained(source: str, dtype: str = 'float32',
   cfg = model_config.from_hf_config(
       hf_config, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
   return build(cfg, hf_checkpoint.to_params(tensors, cfg)), tok
+
+
+def abstract_model(source: str, dtype: str = 'float32',
+                   param_dtype: str | None = None, remat: bool = False):
+  """The policy's structure and shapes only (no weights, no memory).
+
+  For ahead-of-time compiles: `source` may be `arch:<name>` (a named
+  architecture), a checkpoint directory (its config.json), or a named model.
+  """
+  overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+  if source.startswith('arch:'):
+    cfg = architectures.get(source[len('arch:'):], **overrides)
+  elif os.path.isdir(source):
+    with open(os.path.join(source, 'config.json')) as f:
+      cfg = model_config.from_hf_config(json.load(f), **overrides)
+  elif source == SMOLLM2_135M_INSTRUCT:
+    cfg = architectures.get('smollm2-135m', **overrides)
+  elif source == TINY_RANDOM:
+    cfg = tiny.make()[0].config.replace(**overrides)
+  else:
+    raise ValueError(f'unknown model source {source!r}')
+  return nnx.eval_shape(lambda: transformer.CausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def build(cfg: model_config.ModelConfig, params) -> transformer.CausalLM:

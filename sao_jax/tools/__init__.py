@@ -1,0 +1,1 @@
+"""Command-line tools: ahead-of-time compiles for TPU planning."""

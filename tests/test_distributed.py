@@ -1,0 +1,48 @@
+"""Two processes joined by `jax.distributed` train like one process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def run_processes(num_processes, out):
+  port = free_port()
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop('XLA_FLAGS', None)
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(HERE, 'distributed_worker.py'), str(i),
+       str(num_processes), str(port), str(out)],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(num_processes)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, output in zip(procs, outputs):
+    assert p.returncode == 0, output[-4000:]
+  with open(out) as f:
+    return json.load(f)
+
+
+@pytest.mark.slow
+def test_two_processes_agree_with_one(tmp_path):
+  single = run_processes(1, tmp_path / 'single.json')
+  double = run_processes(2, tmp_path / 'double.json')
+  for a, b in zip(single['losses'], double['losses']):
+    for key in a:
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
+  assert single['checksums'].keys() == double['checksums'].keys()
+  for key, value in single['checksums'].items():
+    np.testing.assert_allclose(double['checksums'][key], value, rtol=1e-5,
+                               err_msg=key)
