@@ -91,6 +91,7 @@ def main():
       log_dir=workdir, overrides=(
           f'--config.model.source={source}',
           f'--config.rollout.max_concurrent_decodes={args.slots}',
+          '--config.rollout.temperature=1.0',  # as in BENCHMARKS.md
           '--config.rollout.max_prefill_length=128',
           '--config.rollout.max_target_length=256',
           '--config.rollout.max_sequence_length=256'))

@@ -31,7 +31,10 @@ SECRET = 'integration-test-secret'
 PARAMS = sampling.SamplingParams(temperature=1.0)
 
 
-SERVER_FLAGS = ('--config.rollout.max_concurrent_decodes=4',
+# The servers sample with the distribution the test recomputes mu_t under,
+# whatever the demo's default temperature.
+SERVER_FLAGS = (f'--config.rollout.temperature={PARAMS.temperature}',
+                '--config.rollout.max_concurrent_decodes=4',
                 '--config.rollout.max_prefill_length=64',
                 '--config.rollout.max_target_length=512')
 
