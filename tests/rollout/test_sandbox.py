@@ -206,7 +206,7 @@ while True:
   except OSError:
     pass
 '''
-  result = sandbox.run_python(program, max_procs=16, timeout_s=2)
+  result = sandbox.run_python(program, max_procs=16, timeout_s=2, cpu_s=30)
   assert result.timed_out and not result.ok
   uid = int(result.stdout.split()[0])
   if os.geteuid() == 0:  # the run's own uid, as seen from here
@@ -412,8 +412,10 @@ print(os.getuid())
   if os.geteuid() == 0:
     assert int(result.stdout) != 0  # root still drops to a uid of the run's
   assert _pids_with_marker(marker) == []
+  # A CPU limit well above the wall clock: the wall-clock kill is under test
+  # (with the default, cpu_s = timeout_s, either limit may fire first).
   result = sandbox.run_python('while True:\n  pass', mode='none',
-                              python=python, timeout_s=1)
+                              python=python, timeout_s=1, cpu_s=30)
   assert result.timed_out
 
 
