@@ -75,14 +75,24 @@ def _common_word(replies):
   raise AssertionError(f'no word separates the replies {replies}')
 
 
-def test_accuracy_is_counted_from_the_replies(tiny_model):
+def _judged_by_a_separating_word(tiny_model, **env_kwargs):
+  """20 greedy replies, then the same tasks judged by a word some contain.
+
+  Returns:
+    `(tasks, replies, env, result)`.
+  """
   model, tok = tiny_model
   probe = _WordEnv()
   tasks = evaluation.held_out_tasks(probe, 20)
   replies = evaluation.evaluate(model, tok, probe, tasks,
                                 max_new_tokens=8).replies
-  env = _WordEnv(word=_common_word(replies))
+  env = _WordEnv(word=_common_word(replies), **env_kwargs)
   result = evaluation.evaluate(model, tok, env, tasks, max_new_tokens=8)
+  return tasks, replies, env, result
+
+
+def test_accuracy_is_counted_from_the_replies(tiny_model):
+  tasks, replies, env, result = _judged_by_a_separating_word(tiny_model)
 
   assert result.replies == replies  # greedy: the same replies again
   hits = [env.word in r.split() for r in replies]
@@ -101,13 +111,8 @@ def test_accuracy_is_counted_from_the_replies(tiny_model):
 
 
 def test_correct_falls_back_to_full_reward(tiny_model):
-  model, tok = tiny_model
-  probe = _WordEnv()
-  tasks = evaluation.held_out_tasks(probe, 20)
-  replies = evaluation.evaluate(model, tok, probe, tasks,
-                                max_new_tokens=8).replies
-  env = _WordEnv(word=_common_word(replies), report_correct=False)
-  result = evaluation.evaluate(model, tok, env, tasks, max_new_tokens=8)
+  _, replies, env, result = _judged_by_a_separating_word(
+      tiny_model, report_correct=False)
   hits = sum(env.word in r.split() for r in replies)
   assert result.accuracy == hits / 20
   # A hit pays 1, a miss 0.5 that is not counted as correct.

@@ -83,9 +83,8 @@ def _device_bytes(abstract_tree) -> int:
 
 def compile_train_step(config, topology: str) -> Report:
   """Compiles `config`'s SAO step for `topology`; returns the report."""
-  config_lib.validate(config, num_devices=len(tpu_aot.devices(topology)))
   devices = tpu_aot.devices(topology)
-  sizes = sharding.mesh_shape(dict(config.mesh), len(devices))
+  sizes = config_lib.validate(config, num_devices=len(devices))
   mesh = sharding.make_mesh(sizes, devices)
   policy = pretrained.abstract_model(
       config.model.source, dtype=config.model.dtype,
