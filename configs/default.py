@@ -67,6 +67,15 @@ def get_config(arg=None):
   c.task.jsonl = ml_collections.ConfigDict(dict(
       path='', scorer='math_verify', eval_fraction=0.1, eval_path='',
       cache_dir=''))
+  # word_target (the tiny model's task) options; the defaults are the plain
+  # single-turn task that rewards even-numbered words.
+  c.task.word_target = ml_collections.ConfigDict(dict(
+      switch_steps=(),  # policy steps where the target parity flips; (): none
+      turns=1,  # model turns per episode (max_turns); > 1: multi-turn
+      observation_words=6,  # words of the user turn between replies
+      delay_median_s=0.0,  # median simulated latency of a turn; 0: none
+      delay_sigma=1.0,  # lognormal sigma of that latency (heavy tail)
+      delay_max_s=0.0))  # cap on one delay; 0: none
   # Online learning (SAO.md §5): the rewarded answer format switches.
   c.task.nonstationary = ml_collections.ConfigDict(dict(
       enabled=False, formats=('statement', 'equation', 'statement'),
@@ -92,6 +101,10 @@ def get_config(arg=None):
   # (SAO.md §1.4) with the length-adaptive lambda_policy = 1 - 1/(alpha l).
   c.advantage = ml_collections.ConfigDict()
   c.advantage.estimator = 'skip_observation_gae'  # | grpo | dr_grpo | running_mean
+  # True: GAE's recursion skips observation tokens (SAO). False runs it through
+  # every response token, observations included, as the paper's ablation
+  # "naive GAE" (the critic then also fits values on observations).
+  c.advantage.skip_observations = True
   c.advantage.gamma = 1.0  # gamma
   c.advantage.adaptive_lambda = True  # lambda_policy = 1 - 1/(alpha * l)
   c.advantage.alpha = 1.5  # alpha of the length-adaptive lambda
@@ -172,6 +185,10 @@ def get_config(arg=None):
   c.eval.every = 11  # also every N policy steps; 0: at the start and end only
   c.eval.at_start = True  # evaluate the untrained policy first
   c.eval.max_new_tokens = 16
+  # 0: greedy, accuracy of the policy's mode. > 0 samples each held-out reply
+  # at this temperature (key from seed and step): the accuracy of the policy's
+  # distribution, which keeps moving after the mode is already right.
+  c.eval.temperature = 0.0
   c.eval.batch_size = 64
 
   # Orbax checkpoints in workdir/checkpoints; a workdir resumes where it was.

@@ -78,6 +78,29 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam):
   return adv_BxT, returns_BxT
 
 
+def response_mask(input_mask, action_mask):
+  """Each row's real tokens from its first action token on, bool `[B, T]`.
+
+  The response of a multi-turn trajectory: its actions and the observations
+  between (and after) them, without the prompt before the first action and
+  without padding. Naive GAE, the paper's ablation of skip-observation GAE,
+  runs the same recursion over this mask instead of the action mask, so that
+  observation tokens are ordinary steps: their values enter the deltas and
+  every observation token costs a factor gamma * lambda.
+
+  Args:
+    input_mask: bool or 0/1 `[B, T]`, 1 on real (non-padding) tokens.
+    action_mask: bool or 0/1 `[B, T]`, 1 on action tokens.
+  """
+  where = 'response_mask'
+  array_checks.require_rank(where, 'input_mask', input_mask, '[B, T]')
+  array_checks.require_shape(where, 'action_mask', action_mask,
+                             jnp.shape(input_mask), '[B, T]')
+  actions_BxT = jnp.asarray(action_mask).astype(jnp.int32)
+  started_BxT = jnp.cumsum(actions_BxT, axis=1) > 0
+  return jnp.asarray(input_mask).astype(bool) & started_BxT
+
+
 def check_gae_inputs(where, rewards, values, action_mask, gamma, lam):
   """Validates GAE arguments (shared by the reference and the kernels).
 

@@ -184,11 +184,14 @@ def validate(config: ml_collections.ConfigDict,
     problem = registry.check_name(task_name)
     if problem:
       problems.append(problem)
+  if task_name == 'word_target':
+    _check_word_target(check, problems)
   check.non_negative_int('task.held_out')
   check.positive_int('total_steps')
   check.non_negative_int('eval.every')
   check.positive_int('eval.max_new_tokens')
   check.positive_int('eval.batch_size')
+  check.non_negative('eval.temperature')
   check.positive_int('checkpoint.every')
   check.positive_int('checkpoint.max_to_keep')
   check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
@@ -275,6 +278,27 @@ def validate(config: ml_collections.ConfigDict,
   if problems:
     raise ConfigError('invalid config: ' + '; '.join(problems))
   return mesh
+
+
+def _check_word_target(check: _Checker, problems: list[str]) -> None:
+  """The word_target task's options (`config.task.word_target`)."""
+  turns = check.positive_int('task.word_target.turns')
+  check.positive_int('task.word_target.observation_words')
+  check.non_negative('task.word_target.delay_median_s')
+  check.non_negative('task.word_target.delay_sigma')
+  check.non_negative('task.word_target.delay_max_s')
+  steps = check.get('task.word_target.switch_steps')
+  if steps is not None:
+    steps = tuple(steps) if isinstance(steps, (tuple, list)) else (steps,)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+           for s in steps) or list(steps) != sorted(set(steps)):
+      problems.append(f'config.task.word_target.switch_steps={steps} must be'
+                      ' strictly increasing policy steps >= 0')
+  if turns and turns > 1 and check.get('rollout.group_in_one_request'):
+    # One request with G samples plays its episodes' first turn only.
+    problems.append(f'config.task.word_target.turns={turns} needs separate'
+                    ' requests per episode: set'
+                    ' config.rollout.group_in_one_request=False')
 
 
 def define_config_flag(name: str = 'config',

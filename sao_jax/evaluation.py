@@ -163,11 +163,12 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
 
   Multi-turn environments (`env.max_turns > 1`) are played turn by turn, all
   open episodes batched together: the reply of turn t is judged with
-  `env.step(task, t, text)`; an observation is appended token-in/token-out in
-  the model's chat template (`episodes.ChatFormat`, as the rollout workers
-  do) and the episode continues. An episode the environment has not ended
-  after `env.max_turns` turns scores 0. Tool latency (`astep`) is not
-  simulated: evaluation measures answers, not time.
+  `env.step(task, t, text)` (the task replaced by the previous turn's
+  `next_task` where one was given); an observation is appended
+  token-in/token-out in the model's chat template (`episodes.ChatFormat`, as
+  the rollout workers do) and the episode continues. An episode the
+  environment has not ended after `env.max_turns` turns scores 0. Tool
+  latency (`astep`) is not simulated: evaluation measures answers, not time.
 
   Args:
     model: the policy, used as given.
@@ -207,6 +208,7 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
   contexts = [list(prompt) for prompt in prompts]
   rewards = [0.0] * len(tasks)
   correct = [False] * len(tasks)
+  judged = list(tasks)  # each row's task for its next turn (next_task)
   open_rows = list(range(len(tasks)))
   for turn in range(env.max_turns):
     if not open_rows:
@@ -220,13 +222,15 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
     for row, generation in zip(open_rows, generations):
       contexts[row] += generation.tokens
       text = tok.decode(generation.tokens, skip_special_tokens=True)
-      result = env.step(tasks[row], turn, text)
+      result = env.step(judged[row], turn, text)
       if result.done:
         rewards[row] = float(result.reward)
         correct[row] = bool(result.info.get('correct', result.reward >= 1))
       elif chat is not None and turn + 1 < env.max_turns:
         contexts[row] += chat.observation_tokens(generation.tokens,
                                                  result.observation or '')
+        if result.next_task is not None:
+          judged[row] = result.next_task
         still_open.append(row)
     open_rows = still_open
 

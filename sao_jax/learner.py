@@ -5,7 +5,8 @@ frozen), advantages from the updated critic by skip-observation GAE with the
 length-adaptive lambda, then one policy update with the DIS loss against the
 rollout engine's own log-probs. The paper's baselines swap the parts by name
 (config.algorithm): GRPO's group advantages, a running-mean baseline, PPO's
-clipped loss against the recomputed old policy.
+clipped loss against the recomputed old policy; `advantage.skip_observations`
+=False ablates the skip (naive GAE through observation tokens).
 
 Sharding (pjit semantics through `jax.jit`): parameters are laid out over the
 `data x fsdp x tensor` mesh by their logical axes (`sao_jax.sharding`), the
@@ -240,15 +241,15 @@ class Learner:
     _, returns = objectives.gae(cfg, batch, values_before, lam_critic,
                                  self.mesh)
     returns = jax.lax.stop_gradient(returns)
-    totals = objectives.batch_totals(batch)
+    totals = objectives.batch_totals(objectives.gae_mask(cfg, batch))
 
     def loss_fn(trainable, micro):
       model = nnx.merge(self._critic_def, trainable, state.critic_frozen)
       values = objectives.critic_values(model, micro)
       loss, metrics = objectives.value_loss(cfg, values, micro['returns'],
                                             micro, micro['values_before'])
-      weight = objectives.microbatch_weight(micro['action_mask'], totals,
-                                            cfg.policy_loss.aggregation)
+      weight = objectives.microbatch_weight(objectives.gae_mask(cfg, micro),
+                                            totals, cfg.policy_loss.aggregation)
       return loss * weight, dict(metrics, loss=loss)
 
     data = dict(batch, returns=returns, values_before=values_before)
@@ -308,7 +309,7 @@ class Learner:
       old_logp, _ = objectives.policy_logprobs(
           nnx.merge(self._policy_def, state.policy), batch, self.sampling)
       old_logp = jax.lax.stop_gradient(old_logp)
-    totals = objectives.batch_totals(batch)
+    totals = objectives.batch_totals(batch['action_mask'])
     with_entropy = bool(cfg.policy_loss.entropy_coef)
 
     def loss_fn(params, micro):

@@ -65,13 +65,29 @@ def policy_lambda(config, batch):
   return jnp.full(batch['num_action_tokens'].shape, adv.lam, _F32)
 
 
-def gae(config, batch, values_BxT, lam, mesh=None):
-  """Skip-observation GAE through the kernel the config selects.
+def gae_mask(config, batch):
+  """The tokens GAE runs over, which are also the critic's value targets.
 
+  SAO's skip-observation GAE: the action tokens. Naive GAE
+  (`advantage.skip_observations=False`, the paper's ablation): every response
+  token, observations included (`advantages.response_mask`); the critic then
+  learns values on observation tokens too, since the recursion reads them.
+  The policy loss stays on action tokens either way.
+  """
+  if config.advantage.skip_observations:
+    return batch['action_mask']
+  return advantages.response_mask(batch['input_mask'], batch['action_mask'])
+
+
+def gae(config, batch, values_BxT, lam, mesh=None):
+  """GAE over `gae_mask`'s tokens through the kernel the config selects.
+
+  The kernels skip every token outside the mask they are given: with the
+  action mask that is skip-observation GAE, with the response mask naive GAE.
   `mesh`: the learner's mesh, over whose batch shards a Pallas kernel runs.
   """
   return partitioned.skip_observation_gae(
-      batch['rewards'], values_BxT, batch['action_mask'],
+      batch['rewards'], values_BxT, gae_mask(config, batch),
       config.advantage.gamma, lam, mesh=mesh,
       implementation=config.kernels.implementation)
 
@@ -133,9 +149,9 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, old_logp_BxT=None,
 
 
 def value_loss(config, values_BxT, returns_BxT, batch, old_values_BxT=None):
-  """The critic's regression loss on action tokens."""
+  """The critic's regression loss on the GAE tokens (`gae_mask`)."""
   clip = config.critic.value_clip or None
-  return losses.value_loss(values_BxT, returns_BxT, batch['action_mask'],
+  return losses.value_loss(values_BxT, returns_BxT, gae_mask(config, batch),
                            old_values=old_values_BxT if clip else None,
                            clip_eps=clip,
                            aggregation=config.policy_loss.aggregation)
@@ -154,10 +170,10 @@ def microbatch_weight(mask_BxT, totals, aggregation):
   return rows / jnp.maximum(totals['rows'], 1)
 
 
-def batch_totals(batch):
-  mask = batch['action_mask']
-  return {'tokens': jnp.sum(mask).astype(_F32),
-          'rows': jnp.sum(jnp.any(mask, axis=1)).astype(_F32)}
+def batch_totals(mask_BxT):
+  """Tokens and non-empty rows of a full batch's loss mask (for weights)."""
+  return {'tokens': jnp.sum(mask_BxT).astype(_F32),
+          'rows': jnp.sum(jnp.any(mask_BxT, axis=1)).astype(_F32)}
 
 
 def stop_gradient_tree(tree):

@@ -36,6 +36,7 @@ from sao_jax import progress as progress_lib
 from sao_jax import task_ledger
 from sao_jax import train_metrics
 from sao_jax.models import pretrained
+from sao_jax.models import sampling
 from sao_jax.rollout import batching
 from sao_jax.rollout import episodes
 from sao_jax.rollout import local_servers
@@ -266,10 +267,14 @@ def _metadata(config, ledger, slots, rollouts, before) -> dict[str, Any]:
 def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
   if not tasks:
     return None
+  params, key = evaluation.GREEDY, None
+  if config.eval.temperature > 0:
+    params = sampling.SamplingParams(temperature=config.eval.temperature)
+    key = jax.random.fold_in(jax.random.key(config.seed), step)
   result = evaluation.evaluate(
       learner.policy_model(), tok, env, tasks,
       max_new_tokens=config.eval.max_new_tokens,
-      batch_size=config.eval.batch_size)
+      batch_size=config.eval.batch_size, params=params, key=key)
   if jax.process_index() == 0:
     _save_replies(os.path.join(logger.workdir, 'eval', f'step_{step}.jsonl'),
                   tasks, result)

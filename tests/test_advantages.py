@@ -87,6 +87,94 @@ def test_gae_ignores_nan_outside_actions():
   np.testing.assert_allclose(ret[0], [1, 0, 1, 0])
 
 
+
+def plain_gae(rewards, values, gamma, lam):
+  """Textbook GAE over one contiguous token sequence (no mask): the backward
+  recursion A_t = r_t + gamma V_{t+1} - V_t + gamma lam A_{t+1}."""
+  adv = np.zeros(len(rewards))
+  next_value = next_adv = 0.0
+  for t in reversed(range(len(rewards))):
+    adv[t] = rewards[t] + gamma * next_value - values[t] + (
+        gamma * lam * next_adv)
+    next_value, next_adv = values[t], adv[t]
+  return adv, adv + np.asarray(values, np.float64)
+
+
+def test_response_mask_runs_from_first_action_over_real_tokens():
+  input_mask = np.array([[1, 1, 1, 1, 1, 1, 1, 0],
+                         [1, 1, 1, 1, 1, 1, 0, 0],
+                         [1, 1, 1, 0, 0, 0, 0, 0]], bool)
+  action_mask = np.array([[0, 1, 1, 0, 0, 1, 1, 0],  # prompt, a, obs, a, pad
+                          [0, 0, 1, 0, 1, 0, 0, 0],  # ends with an observation
+                          [0, 0, 0, 0, 0, 0, 0, 0]], bool)  # no action at all
+  got = advantages.response_mask(input_mask, action_mask)
+  np.testing.assert_array_equal(got, [[0, 1, 1, 1, 1, 1, 1, 0],
+                                      [0, 0, 1, 1, 1, 1, 0, 0],
+                                      [0, 0, 0, 0, 0, 0, 0, 0]])
+  with pytest.raises(ValueError, match=r'action_mask has shape \(3, 7\)'):
+    advantages.response_mask(input_mask, action_mask[:, :7])
+
+
+def test_naive_gae_hand_worked_runs_through_observations():
+  # The trajectory of the skip-observation example above, with real values on
+  # the observations: [prompt, a0, a1, o, o, a2, a3, pad], gamma = 1,
+  # lam = 0.5, V = [9, 1, 2, 5, 6, 3, 4, 9], reward 1 on a3. Naive GAE runs
+  # over the response (positions 1..6):
+  #   a3: delta = 1 + 0 - 4 = -3;          A = -3
+  #   a2: delta = 0 + V[a3] - 3 = 1;       A = 1 + 0.5 * -3 = -0.5
+  #   o:  delta = 0 + V[a2] - 6 = -3;      A = -3 + 0.5 * -0.5 = -3.25
+  #   o:  delta = 0 + 6 - 5 = 1;           A = 1 + 0.5 * -3.25 = -0.625
+  #   a1: delta = 0 + V[o] - 2 = 3;        A = 3 + 0.5 * -0.625 = 2.6875
+  #   a0: delta = 0 + V[a1] - 1 = 1;       A = 1 + 0.5 * 2.6875 = 2.34375
+  # Skip-observation GAE gives a1 0.75 and a0 1.375 instead: a1 bootstraps
+  # from V[a2] = 3, not V[o] = 5, and the tail reaches a0 through two fewer
+  # factors gamma * lam. After the last observation (a2, a3) both agree.
+  input_mask = np.array([[1, 1, 1, 1, 1, 1, 1, 0]], bool)
+  action_mask = np.array([[0, 1, 1, 0, 0, 1, 1, 0]], bool)
+  values = np.array([[9, 1, 2, 5, 6, 3, 4, 9]], np.float32)
+  rewards = np.array([[0, 0, 0, 0, 0, 0, 1, 5]], np.float32)
+  naive_mask = advantages.response_mask(input_mask, action_mask)
+  adv, ret = _GAE(rewards, values, naive_mask, 1.0, 0.5)
+  np.testing.assert_allclose(
+      adv[0], [0, 2.34375, 2.6875, -0.625, -3.25, -0.5, -3, 0])
+  np.testing.assert_allclose(
+      ret[0], [0, 3.34375, 4.6875, 4.375, 2.75, 2.5, 1, 0])
+  skip, _ = _GAE(rewards, values, action_mask, 1.0, 0.5)
+  np.testing.assert_allclose(skip[0], [0, 1.375, 0.75, 0, 0, -0.5, -3, 0])
+
+
+@pytest.mark.parametrize('gamma', [1.0, 0.9])
+def test_naive_gae_is_plain_gae_over_the_response_tokens(gamma):
+  rng = np.random.default_rng(3)
+  batch, length = 6, 30
+  input_mask = np.zeros((batch, length), bool)
+  action_mask = np.zeros((batch, length), bool)
+  for b in range(batch):
+    # prompt, then alternating action and observation runs, then padding.
+    real = int(rng.integers(12, length + 1))
+    input_mask[b, :real] = True
+    t, acting = int(rng.integers(1, 5)), True
+    while t < real:
+      run = int(rng.integers(1, 5))
+      action_mask[b, t:min(t + run, real)] = acting
+      t, acting = t + run, not acting
+  rewards, values, _ = random_batch(rng, batch, length)
+  lam = rng.uniform(0, 1, size=batch).astype(np.float32)
+  response = advantages.response_mask(input_mask, action_mask)
+  adv, ret = _GAE(rewards, values, response, gamma, lam)
+  skip, _ = _GAE(rewards, values, action_mask, gamma, lam)
+  for b in range(batch):
+    first = np.flatnonzero(action_mask[b])[0]
+    span = slice(first, int(input_mask[b].sum()))
+    want_adv, want_ret = plain_gae(rewards[b, span], values[b, span], gamma,
+                                   lam[b])
+    np.testing.assert_allclose(adv[b, span], want_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret[b, span], want_ret, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(adv)[b, ~response[b]], 0.0)
+  # Only rows with an observation between actions tell the two apart.
+  assert not np.allclose(np.asarray(adv)[action_mask],
+                         np.asarray(skip)[action_mask])
+
 _LENGTH = 24  # Fixed padded length: one compilation for all property examples.
 
 

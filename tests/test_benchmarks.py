@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -37,3 +39,108 @@ def test_rollout_benchmark_quick(tmp_path):
   assert result['median_sequential_tokens_per_s'] > 0
   assert result['server_load_and_swap_s'][0] > 0
   assert '| tiny-random |' in proc.stdout
+
+
+@pytest.fixture(scope='module')
+def compile_cache(tmp_path_factory):
+  """One XLA compilation cache for the module's benchmark runs.
+
+  Their tiny runs compile the same train step; sharing the cache, as a
+  benchmark's own runs do, keeps each quick mode near a minute.
+  """
+  return str(tmp_path_factory.mktemp('jax_compile_cache'))
+
+
+def _quick(script, tmp_path, compile_cache, timeout=600):
+  """Runs `benchmarks/<script> --quick` in tmp_path; its JSON and stdout."""
+  out, plot = tmp_path / 'result.json', tmp_path / 'plot.png'
+  proc = subprocess.run(
+      [sys.executable, f'benchmarks/{script}', '--quick', f'--out={out}',
+       f'--plot={plot}', f'--workdir={tmp_path / "runs"}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT,
+               JAX_COMPILATION_CACHE_DIR=compile_cache))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert plot.stat().st_size > 10_000  # a PNG with curves, not an empty one
+  result = json.loads(out.read_text())
+  failed = [r for r in result['runs'] if 'failed' in r]
+  assert not failed, failed[0]['output_tail']
+  return result, proc.stdout
+
+
+def _check_run(run, steps, batch_size=16):
+  assert run['steps'] == steps
+  assert run['trajectories'] == steps * batch_size
+  assert [p['step'] for p in run['eval_curve']] == [0, steps]
+  assert [p['step'] for p in run['reward_curve']] == list(range(1, steps + 1))
+  assert 0.0 <= run['final_accuracy'] <= 1.0
+  assert run['seconds'] > run['loop_seconds'] > 0
+  assert 0.0 <= run['learner_idle_fraction'] <= 1.0
+  assert 0.0 <= run['generator_idle_fraction'] <= 1.0
+
+
+@pytest.mark.slow
+def test_algorithms_benchmark_quick(tmp_path, compile_cache):
+  result, stdout = _quick('algorithms.py', tmp_path, compile_cache)
+  assert [r['variant'] for r in result['runs']] == ['sao', 'grpo']
+  for run in result['runs']:
+    _check_run(run, 3)
+  # SAO logs DIS band fractions, GRPO (PPO clip) its clip fraction.
+  sao, grpo = result['runs']
+  assert 'policy/frac_below' in sao['stability']
+  assert 'policy/clip_frac' in grpo['stability']
+  assert 'critic/explained_variance' in sao['stability']
+  assert 'critic/explained_variance' not in grpo['stability']
+  assert result['aggregate']['sao']['runs'] == 1
+  for variant in ('sao', 'grpo'):
+    target = result['to_target'][variant]
+    run = next(r for r in result['runs'] if r['variant'] == variant)
+    reached = [p for p in run['eval_curve'] if p['accuracy'] >= 0.8]
+    assert target['trajectories'] == [
+        reached[0]['trajectories'] if reached else None]
+  assert '| sao | 1/1 |' in stdout
+
+
+@pytest.mark.slow
+def test_staleness_benchmark_quick(tmp_path, compile_cache):
+  result, stdout = _quick('staleness.py', tmp_path, compile_cache)
+  runs = {r['variant']: r for r in result['runs']}
+  assert set(runs) == {'sao staleness=0', 'sao staleness=4'}
+  for run in runs.values():
+    _check_run(run, 3)
+  # Synchronous training consumes only fresh data.
+  assert runs['sao staleness=0']['stability']['rollout/staleness_max'] == 0
+  assert '| sao staleness=4 |' in stdout
+
+
+@pytest.mark.slow
+def test_ablations_benchmark_quick(tmp_path, compile_cache):
+  result, _ = _quick('ablations.py', tmp_path, compile_cache)
+  runs = {r['variant']: r for r in result['runs']}
+  assert set(runs) == {'K=1', '3 turns: naive GAE'}
+  for run in runs.values():
+    _check_run(run, 3)
+  assert '--config.advantage.skip_observations=False' in (
+      runs['3 turns: naive GAE']['command'])
+
+
+@pytest.mark.slow
+def test_online_benchmark_quick(tmp_path, compile_cache):
+  result, stdout = _quick('online.py', tmp_path, compile_cache)
+  assert set(result['per_switch']) == {'sao', 'running_mean (W=128)'}
+  for run in result['runs']:
+    _check_run(run, 6)
+    assert [s['switch_step'] for s in run['switches']] == [2, 4]
+  assert '| sao | 2 |' in stdout
+
+
+@pytest.mark.slow
+def test_async_speedup_benchmark_quick(tmp_path, compile_cache):
+  result, stdout = _quick('async_speedup.py', tmp_path, compile_cache)
+  runs = {r['variant']: r for r in result['runs']}
+  assert set(runs) == {'sync', 'async'}
+  for run in runs.values():
+    _check_run(run, 3)
+  assert runs['sync']['stability']['rollout/staleness_max'] == 0
+  assert result['report']['sync']['runs'] == 1
+  assert '| async |' in stdout

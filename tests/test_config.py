@@ -72,6 +72,7 @@ def test_presets_follow_the_paper():
     ('rollout.top_p', 0.0, r'config.rollout.top_p=0.0 must be in \(0, 1\]'),
     ('rollout.max_sequence_length', 4096, r'max_sequence_length=4096 must be <= config.rollout.max_target_length=160'),
     ('kernels.implementation', 'cuda', r"config.kernels.implementation='cuda' is not one of"),
+    ('eval.temperature', -0.5, r'config.eval.temperature=-0.5 must be >= 0'),
 ])
 def test_validate_names_the_bad_key(key, value, message):
   config = default()
@@ -84,6 +85,47 @@ def test_validate_names_the_bad_key(key, value, message):
     config_lib.validate(config, num_devices=8)
   assert '\n' not in str(info.value)
 
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('delay_median_s', -1.0, r'config.task.word_target.delay_median_s=-1.0 must be >= 0'),
+    ('delay_sigma', -0.5, r'config.task.word_target.delay_sigma=-0.5 must be >= 0'),
+    ('delay_max_s', -2.0, r'config.task.word_target.delay_max_s=-2.0 must be >= 0'),
+    ('switch_steps', (40, 20), r'config.task.word_target.switch_steps=\(40, 20\) must be strictly increasing policy steps >= 0'),
+    ('switch_steps', (20, 20), r'switch_steps=\(20, 20\) must be strictly increasing'),
+    ('switch_steps', (-5, 20), r'switch_steps=\(-5, 20\) must be strictly increasing'),
+    ('turns', 0, r'config.task.word_target.turns=0 must be >= 1'),
+    ('observation_words', 0, r'config.task.word_target.observation_words=0 must be >= 1'),
+])
+def test_word_target_options_are_validated(key, value, message):
+  config = default()
+  config.task.name = 'word_target'
+  config.task.word_target[key] = value
+  with pytest.raises(config_lib.ConfigError, match=message) as info:
+    config_lib.validate(config, num_devices=1)
+  assert '\n' not in str(info.value)
+  config.task.name = 'chain_sum'  # another task ignores the options
+  config_lib.validate(config, num_devices=1)
+
+
+def test_word_target_multi_turn_needs_a_request_per_episode():
+  config = default('algorithm=grpo')
+  config.task.name = 'word_target'
+  config.task.word_target.turns = 2
+  config.task.word_target.switch_steps = (10, 20)
+  config_lib.validate(config, num_devices=1)
+  config.rollout.group_in_one_request = True
+  with pytest.raises(config_lib.ConfigError,
+                     match=r'turns=2 needs separate requests per episode'):
+    config_lib.validate(config, num_devices=1)
+
+
+def test_skip_observations_defaults_to_sao_gae():
+  for algorithm in config_lib.ALGORITHMS:
+    assert default(f'algorithm={algorithm}').advantage.skip_observations
+  config = default()
+  config.advantage.skip_observations = False  # naive GAE, the ablation
+  config_lib.validate(config, num_devices=1)
 
 def test_validate_reports_every_problem_on_one_line():
   config = default()

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
+from sao_jax import advantages
 from sao_jax import config_lib
 from sao_jax import learner as learner_lib
+from sao_jax import objectives
 from sao_jax.models import tiny
 from sao_jax.rollout import batching
 from sao_jax.rollout import trajectory
@@ -224,3 +226,70 @@ def test_pallas_kernels_run_per_shard_on_a_mesh(microbatches, one_device):
         np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6,
                                    err_msg=key)
   assert_same_parameters(one, many, parts=('policy',))
+
+
+def batch_arrays(batch):
+  """The learner's batch dict (the fields GAE reads) on the host."""
+  return {'tokens': batch.tokens_BxT, 'input_mask': batch.input_mask_BxT,
+          'action_mask': batch.action_mask_BxT, 'rewards': batch.rewards_BxT,
+          'reward': batch.reward_B,
+          'num_action_tokens': batch.num_action_tokens_B}
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_skip_observations_switch_selects_the_gae_mask(implementation):
+  batch = batch_arrays(fake_batch(0))
+  rng = np.random.default_rng(0)
+  values = rng.normal(size=batch['rewards'].shape).astype(np.float32)
+  returns = rng.normal(size=batch['rewards'].shape).astype(np.float32)
+  actions = batch['action_mask']
+  # Real tokens from the first action on: the prompt (0..4) and padding drop
+  # out, the observation (9..11) stays in.
+  response = batch['input_mask'] & (np.cumsum(actions, axis=1) > 0)
+  assert response[:, 9:12].all() and not response[:, :5].any()
+
+  config = make_config(**{'kernels.implementation': implementation})
+  assert config.advantage.skip_observations  # the default is SAO's
+  lam = objectives.policy_lambda(config, batch)
+  np.testing.assert_array_equal(objectives.gae_mask(config, batch), actions)
+  got = objectives.gae(config, batch, values, lam)
+  want = advantages.skip_observation_gae(batch['rewards'], values, actions,
+                                         1.0, lam)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+  naive = make_config(**{'kernels.implementation': implementation,
+                         'advantage.skip_observations': False})
+  # The length-adaptive lambda still counts action tokens only.
+  np.testing.assert_array_equal(objectives.policy_lambda(naive, batch), lam)
+  np.testing.assert_array_equal(objectives.gae_mask(naive, batch), response)
+  got = objectives.gae(naive, batch, values, lam)
+  want = advantages.skip_observation_gae(batch['rewards'], values, response,
+                                         1.0, lam)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(got[0])[:, 9:12]).sum() > 0  # observations count
+  # The critic regresses on the tokens GAE ran over.
+  for cfg, mask in ((config, actions), (naive, response)):
+    loss, metrics = objectives.value_loss(cfg, values, returns, batch)
+    np.testing.assert_allclose(
+        loss, 0.5 * np.mean((values - returns)[mask] ** 2), rtol=1e-5)
+    assert metrics['num_tokens'] == mask.sum()
+
+
+def test_naive_gae_trains_policy_on_actions_critic_on_response(one_device):
+  sao = one_device()
+  naive = make_learner(make_config(lr=1e-4, **{
+      'mesh.data': 1, 'advantage.skip_observations': False}),
+                       jax.devices()[:1])
+  batch = fake_batch(0)
+  actions = batch.action_mask_BxT
+  response = batch.input_mask_BxT & (np.cumsum(actions, axis=1) > 0)
+  (m_sao,), (m_naive,) = run(sao, [0]), run(naive, [0])
+  for m in (m_sao, m_naive):
+    assert np.isfinite(m['policy/loss']) and m['policy/nonfinite_skips'] == 0
+    assert m['policy/num_tokens'] == actions.sum()
+  assert m_sao['critic/num_tokens'] == actions.sum()
+  assert m_naive['critic/num_tokens'] == response.sum() > actions.sum()
+  assert m_naive['advantage/abs_mean'] != pytest.approx(
+      m_sao['advantage/abs_mean'])

@@ -68,6 +68,10 @@ class _Server:
     self.address = address
     self.max_in_flight = max_in_flight
     self.in_flight = 0
+    # Generator idleness as this client sees it: time with no request of
+    # ours in flight on the server (a server one learner owns is then idle).
+    self.idle_since = time.monotonic()
+    self.idle_seconds = 0.0
     self.live = True
     self.channel = None
     self.decode = None
@@ -105,11 +109,14 @@ class ServerPool:
     self._changed = None  # asyncio.Condition, created in the loop
     self._probe_task = None
     self.counters = collections.Counter()
+    self._opened_at = time.monotonic()
 
   async def __aenter__(self):
     self._changed = asyncio.Condition()
+    self._opened_at = time.monotonic()
     for server in self._servers:
       server.connect()
+      server.idle_since, server.idle_seconds = self._opened_at, 0.0
     self._probe_task = asyncio.create_task(self._probe_dead_servers())
     return self
 
@@ -130,6 +137,22 @@ class ServerPool:
   def in_flight(self) -> dict[str, int]:
     return {s.address: s.in_flight for s in self._servers}
 
+  def generator_idle_fraction(self) -> float:
+    """Share of server-time since the pool opened with nothing in flight.
+
+    Averaged over the servers; a server idles while none of this pool's
+    requests is on it (waiting for the learner's weights, for admission, or
+    for an environment's tool call). Dead servers count from when they went
+    quiet, so route-around does not flatter the figure.
+    """
+    now = time.monotonic()
+    elapsed = now - self._opened_at
+    if elapsed <= 0:
+      return 0.0
+    idle = sum(s.idle_seconds + (now - s.idle_since if s.in_flight == 0
+                                 else 0.0) for s in self._servers)
+    return idle / (elapsed * len(self._servers))
+
   async def _acquire(self, deadline: float) -> _Server:
     """The least-loaded live server with room; waits while all are busy."""
     async with self._changed:
@@ -138,6 +161,8 @@ class ServerPool:
                  if s.live and s.in_flight < s.max_in_flight]
         if ready:
           server = min(ready, key=lambda s: s.in_flight)
+          if server.in_flight == 0:
+            server.idle_seconds += time.monotonic() - server.idle_since
           server.in_flight += 1
           return server
         remaining = deadline - time.monotonic()
@@ -151,6 +176,8 @@ class ServerPool:
   async def _release(self, server: _Server, dead: bool = False):
     async with self._changed:
       server.in_flight -= 1
+      if server.in_flight == 0:
+        server.idle_since = time.monotonic()
       if dead and server.live:
         server.live = False
         self.counters[f'server_marked_dead'] += 1

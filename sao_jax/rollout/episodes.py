@@ -101,6 +101,8 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
   logprobs = [[0.0] * len(prompt)]
   versions = [[trajectory_lib.NO_VERSION] * len(prompt)]
   rewards, infos, open_ = [0.0], [{}], [True]
+  # The task each row's next turn is judged with (`StepResult.next_task`).
+  judged = [task]
   turn = 0
   while any(open_) and turn < env.max_turns:
     budget = limits.max_sequence_length - max(len(t) for t in tokens)
@@ -123,6 +125,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
       versions = [list(versions[0]) for _ in samples]
       rewards, infos, open_ = [0.0] * len(samples), [{}] * len(samples), [
           True] * len(samples)
+      judged = [task] * len(samples)
     if len(samples) != len(tokens):
       raise client_lib.RequestFailed(
           'bad_response', f'{len(samples)} samples for {len(tokens)} rows')
@@ -134,13 +137,15 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
       logprobs[row] += sample.logprobs
       versions[row] += sample.versions
       text = tok.decode(sample.tokens, skip_special_tokens=True)
-      result = await env.astep(task, turn, text)
+      result = await env.astep(judged[row], turn, text)
       infos[row] = dict(result.info, finish_reason=sample.finish_reason,
                         turns=turn + 1)
       if result.done:
         rewards[row] = float(result.reward)
         open_[row] = False
         continue
+      if result.next_task is not None:
+        judged[row] = result.next_task
       observation = chat.observation_tokens(sample.tokens,
                                             result.observation or '')
       if len(tokens[row]) + len(observation) >= limits.max_sequence_length:

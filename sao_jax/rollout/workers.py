@@ -129,6 +129,8 @@ class RolloutRunner:
       out.update({f'client/{k}': float(v)
                   for k, v in self.pool.counters.items()})
       out['client/live_servers'] = float(len(self.pool.live_servers))
+      out['client/generator_idle_fraction'] = (
+          self.pool.generator_idle_fraction())
     return out
 
   # -- workers ---------------------------------------------------------------

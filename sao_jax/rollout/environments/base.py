@@ -11,6 +11,7 @@ of the eval split. Episodes are driven by the rollout worker:
     result = await env.astep(task, turn, action_text)  # observation or end
     if result.done: reward = result.reward
     else: append result.observation as a user/tool message (never trained on)
+          and judge the next turn with result.next_task if it is set
 """
 
 from __future__ import annotations
@@ -49,11 +50,18 @@ class StepResult:
     observation: text to show the model next (tool output, feedback) when not
       done; it becomes observation tokens, never trained on.
     info: details for metrics, e.g. {'correct': bool, 'answer': str}.
+    next_task: when not done, the task to judge the episode's next turn with
+      in place of the current one (same id); None keeps it. An environment
+      whose verdict depends on earlier turns carries them here, in the task's
+      metadata: a Task is immutable and `step` sees only the current reply,
+      so this is episode state that concurrent episodes of one task (a GRPO
+      group) never share.
   """
   done: bool
   reward: float = 0.0
   observation: str | None = None
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  next_task: Task | None = None
 
 
 class Environment(abc.ABC):

@@ -23,19 +23,19 @@ Latency. A real tool takes time, and a slow call must not block the other
 episodes: `astep` sleeps (asyncio) for a latency drawn from a lognormal with
 median `tool_delay_median_s` and log-space deviation `tool_delay_sigma`, whose
 heavy right tail (p99 ~ median * e^(2.33 sigma)) is what makes asynchronous
-rollouts pay off. The draw is seeded by (seed, task id, turn), so the same
-episode waits the same time in every run.
+rollouts pay off. The draw (`latency.lognormal_seconds`) is seeded by (seed,
+task id, turn), so the same episode waits the same time in every run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 
 from sao_jax.rollout.environments import answers
 from sao_jax.rollout.environments import arithmetic
 from sao_jax.rollout.environments import base
+from sao_jax.rollout.environments import latency
 
 CALCULATOR_LIMITS = arithmetic.Limits(
     operators=('+', '-', '*', '/', '**', '//', '%'), unary=True,
@@ -94,8 +94,8 @@ class CalculatorEnvironment(base.Environment):
       raise ValueError('need num_terms >= 2, digits >= 1 and max_turns >= 1')
     if not operators or set(operators) - set('+-*'):
       raise ValueError(f"operators must be drawn from '+-*', got {operators!r}")
-    if tool_delay_median_s < 0 or tool_delay_sigma < 0:
-      raise ValueError('tool delays must be >= 0')
+    latency.check(tool_delay_median_s, tool_delay_sigma, tool_delay_max_s,
+                  'tool delay')
     self.num_terms, self.digits, self.operators = num_terms, digits, operators
     self.max_turns = max_turns
     self.max_calls_per_turn = max_calls_per_turn
@@ -163,14 +163,9 @@ class CalculatorEnvironment(base.Environment):
 
   def tool_latency(self, task: base.Task, turn: int) -> float:
     """Seconds the tool takes on turn `turn` of `task` (0 when disabled)."""
-    if self.tool_delay_median_s <= 0:
-      return 0.0
-    rng = arithmetic.seeded_rng('tool_latency', self.seed, task.id, turn)
-    delay = self.tool_delay_median_s * math.exp(
-        self.tool_delay_sigma * rng.gauss(0.0, 1.0))
-    if self.tool_delay_max_s is not None:
-      delay = min(delay, self.tool_delay_max_s)
-    return delay
+    return latency.lognormal_seconds(
+        self.tool_delay_median_s, self.tool_delay_sigma, self.tool_delay_max_s,
+        self.seed, task.id, turn)
 
   async def astep(self, task: base.Task, turn: int, action_text: str
                   ) -> base.StepResult:

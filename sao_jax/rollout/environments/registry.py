@@ -63,7 +63,12 @@ def make(task) -> base.Environment:
         mode=None if s.mode == 'auto' else s.mode, cpu_s=s.cpu_s,
         max_file_mb=s.max_file_mb, max_procs=s.max_procs)
   elif task.name == 'word_target':
-    env = word_target.WordTarget(seed=task.seed)
+    w = task.word_target
+    env = word_target.WordTarget(
+        seed=task.seed, switch_steps=tuple(w.switch_steps), turns=w.turns,
+        observation_words=w.observation_words,
+        delay_median_s=w.delay_median_s, delay_sigma=w.delay_sigma,
+        delay_max_s=w.delay_max_s or None)
   elif task.name == 'jsonl':
     from sao_jax.rollout.environments import jsonl_dataset  # pylint: disable=g-import-not-at-top
     j = task.jsonl

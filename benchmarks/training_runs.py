@@ -1,0 +1,451 @@
+"""Runs of the real training program for the evidence benchmarks.
+
+Every evidence benchmark (algorithms, staleness, ablations, online learning,
+async vs sync) is a grid of `python -m sao_jax.train` runs, one per (variant,
+seed), each in its own workdir, with the config overrides that make the
+variant. Nothing here trains: the numbers come from the program users run,
+through its `metrics.jsonl`.
+
+  * `run_grid` launches the runs one after another (they share the machine's
+    cores; running them side by side would make their wall-clocks meaningless)
+    and skips a run whose workdir already holds a finished `summary.json`, so
+    an interrupted benchmark resumes where it stopped.
+  * `summarize_run` reduces a run's log to what the reports need: the held-out
+    accuracy curve (against steps, trajectories consumed and seconds), the
+    reward curve, the collapse step, and the means of the stability metrics.
+  * `aggregate` puts the seeds of a variant together (means, standard errors,
+    collapse counts), `plot_accuracy` draws the curves, `markdown_table` the
+    table for BENCHMARKS.md.
+
+The runs share a persistent XLA compilation cache (`compile_cache_dir`):
+every run of a grid compiles the same shapes, and without the cache each
+would spend most of a short run compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib import figure as mpl_figure
+from matplotlib.backends import backend_agg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from sao_jax import metrics_log  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+#: Metrics whose per-run means the reports carry (stability under staleness).
+STABILITY_KEYS = (
+    'policy/frac_below', 'policy/frac_above', 'policy/ratio_min',
+    'policy/ratio_max', 'policy/ratio_mean', 'policy/clip_frac',
+    'policy/kl_k3',
+    'policy/grad_norm', 'critic/grad_norm', 'critic/explained_variance',
+    'rollout/staleness_mean', 'rollout/staleness_max',
+    'time/learner_idle_fraction', 'time/wait_seconds', 'time/train_seconds',
+    'queue/dropped_stale')
+
+#: A run has collapsed when its smoothed reward falls this far below the best
+#: it reached and does not climb back to within half of that by the end.
+COLLAPSE_DROP = 0.25
+COLLAPSE_WINDOW = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One run of a grid.
+
+  Attributes:
+    variant: the label the reports group by, e.g. 'sao' or 'staleness=4'.
+    seed: sets both `config.seed` (sampling) and `config.task.seed` (the
+      order of the training prompts).
+    config: the `--config` argument, e.g. 'configs/tiny.py:algorithm=grpo'.
+    overrides: `--config.<key>=<value>` flags; values are written with
+      `repr` for tuples and `str` otherwise.
+  """
+  variant: str
+  seed: int
+  config: str
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def name(self) -> str:
+    safe = ''.join(c if c.isalnum() or c in '-_.' else '_'
+                   for c in self.variant)
+    return f'{safe}/seed{self.seed}'
+
+  def command(self, workdir: str) -> list[str]:
+    """The `python -m sao_jax.train` command line of this run."""
+    flags = {'seed': self.seed, 'task.seed': self.seed,
+             'log.progress': False, **self.overrides}
+    return [sys.executable, '-m', 'sao_jax.train', f'--config={self.config}',
+            f'--workdir={workdir}'] + [
+                f'--config.{k}={_flag_value(v)}' for k, v in flags.items()]
+
+
+def _flag_value(value: Any) -> str:
+  if isinstance(value, (tuple, list)):
+    return '(' + ','.join(str(v) for v in value) + (
+        ',)' if len(value) == 1 else ')')
+  return str(value)
+
+
+def compile_cache_dir(root: str) -> str:
+  return os.path.join(root, 'jax_compile_cache')
+
+
+def run_environment(root: str) -> dict[str, str]:
+  """The environment of a run: the repo importable, the shared compile cache.
+  """
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(
+      p for p in (ROOT, env.get('PYTHONPATH', '')) if p)
+  env.setdefault('JAX_COMPILATION_CACHE_DIR', compile_cache_dir(root))
+  env.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  env.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  return env
+
+
+def run_grid(specs: Sequence[RunSpec], root: str, *, batch_size: int,
+             timeout_s: float = 1800) -> list[dict[str, Any]]:
+  """Runs every spec (unless already done) and returns their summaries.
+
+  A run that fails (non-zero exit, timeout) is reported with `failed` set and
+  the tail of its output; the grid goes on, so one bad variant costs its own
+  runs, not the benchmark.
+
+  Args:
+    specs: the runs, in the order to run them.
+    root: the benchmark's directory; run `s` works in `root/s.name`.
+    timeout_s: wall-clock limit per run.
+    batch_size: trajectories per policy step (the config's `batch_size`),
+      for the trajectory axis.
+
+  Returns:
+    One summary per spec (`summarize_run` plus the spec's fields).
+  """
+  os.makedirs(root, exist_ok=True)
+  summaries = []
+  for i, spec in enumerate(specs):
+    workdir = os.path.join(root, spec.name)
+    summary_path = os.path.join(workdir, 'summary.json')
+    if os.path.exists(summary_path):
+      with open(summary_path) as f:
+        summaries.append(json.load(f))
+      print(f'[{i + 1}/{len(specs)}] {spec.name}: done earlier', flush=True)
+      continue
+    if os.path.exists(workdir):  # an interrupted run: start it afresh
+      subprocess.run(['rm', '-rf', workdir], check=True)
+    os.makedirs(workdir)
+    command = spec.command(workdir)
+    start = time.perf_counter()
+    try:
+      proc = subprocess.run(command, cwd=ROOT, env=run_environment(root),
+                            capture_output=True, text=True, timeout=timeout_s)
+      returncode, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+      returncode = f'timeout after {timeout_s:.0f} s'
+      output = ''.join(x.decode(errors='replace') if isinstance(x, bytes)
+                       else (x or '') for x in (e.stdout, e.stderr))
+    wall_s = time.perf_counter() - start
+    with open(os.path.join(workdir, 'output.log'), 'w') as f:
+      f.write(' '.join(command) + '\n' + output)
+    base = {'variant': spec.variant, 'seed': spec.seed,
+            'command': ' '.join(command[1:]), 'wall_s': wall_s}
+    if returncode != 0:
+      summary = dict(base, failed=(returncode if isinstance(returncode, str)
+                                   else f'exit {returncode}'),
+                     output_tail=output[-2000:])
+      print(f'[{i + 1}/{len(specs)}] {spec.name}: FAILED ({returncode}),'
+            f' see {workdir}/output.log', flush=True)
+    else:
+      summary = dict(base, **summarize_run(workdir, batch_size))
+      print(f'[{i + 1}/{len(specs)}] {spec.name}: {wall_s:.0f} s, final'
+            f' accuracy {summary["final_accuracy"]:.3f}', flush=True)
+      with open(summary_path, 'w') as f:
+        json.dump(summary, f, indent=1)
+    summaries.append(summary)
+  return summaries
+
+
+def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
+  """What the reports need from one finished run's `metrics.jsonl`.
+
+  Times are seconds since the training program started logging, so they
+  include start-up, the first evaluation and value pretraining: the wall-clock
+  a user waits.
+  """
+  records = metrics_log.read_jsonl(os.path.join(workdir, 'metrics.jsonl'),
+                                   dedupe=True)
+  evals = [(int(r['step']), float(r['time']), float(r['eval/accuracy']),
+            float(r.get('eval/accuracy_se') or 0.0))
+           for r in records if _finite(r.get('eval/accuracy'))]
+  rewards = [(int(r['step']), float(r['time']), float(r['train/reward']))
+             for r in records if _finite(r.get('train/reward'))]
+  if not evals or not rewards:
+    raise ValueError(f'{workdir}: the log holds no evaluation or no reward')
+  reward_values = np.array([v for _, _, v in rewards])
+  stability = {}
+  for key in STABILITY_KEYS:
+    values = [float(r[key]) for r in records if _finite(r.get(key))]
+    if values:
+      stability[key] = float(np.mean(values))
+  collapse = collapse_step([s for s, _, _ in rewards], reward_values)
+  train_rows = [r for r in records if _finite(r.get('time/step_seconds'))]
+  step_seconds = sum(r['time/step_seconds'] for r in train_rows)
+  wait_seconds = sum(r.get('time/wait_seconds') or 0.0 for r in train_rows)
+  first = train_rows[0] if train_rows else None
+  loop_seconds = (rewards[-1][1] - (first['time'] - first['time/step_seconds'])
+                  if first else None)
+  generator_idle = [r['rollout/client/generator_idle_fraction']
+                    for r in records
+                    if _finite(r.get('rollout/client/generator_idle_fraction'))]
+  return {
+      'batch_size': batch_size,
+      'steps': rewards[-1][0],
+      'trajectories': rewards[-1][0] * batch_size,
+      'seconds': rewards[-1][1],
+      'initial_accuracy': evals[0][2],
+      'final_accuracy': evals[-1][2],
+      'final_accuracy_se': evals[-1][3],
+      'eval_curve': [dict(step=s, trajectories=s * batch_size, seconds=t,
+                          accuracy=a, se=se) for s, t, a, se in evals],
+      'reward_curve': [dict(step=s, seconds=t, reward=v)
+                       for s, t, v in rewards],
+      'final_reward': float(np.mean(reward_values[-COLLAPSE_WINDOW:])),
+      'collapsed': collapse is not None,
+      'collapse_step': collapse,
+      'stability': stability,
+      # The training loop only (first step's start to last step's end):
+      'loop_seconds': loop_seconds,
+      'trajectories_per_second': (rewards[-1][0] * batch_size / loop_seconds
+                                  if loop_seconds else None),
+      'learner_idle_fraction': (wait_seconds / step_seconds if step_seconds
+                                else None),
+      # Cumulative since the rollout client opened, at the last step.
+      'generator_idle_fraction': (generator_idle[-1] if generator_idle
+                                  else None),
+  }
+
+
+def _finite(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(
+      value, bool) and math.isfinite(value)
+
+
+def collapse_step(steps: Sequence[int], rewards: Sequence[float],
+                  drop: float = COLLAPSE_DROP,
+                  window: int = COLLAPSE_WINDOW) -> int | None:
+  """The step at which a run collapsed, or None.
+
+  The reward's trailing `window`-step mean must fall more than `drop` below
+  its best value so far and stay more than `drop / 2` below that best through
+  the end of the run (a dip it recovers from is noise, not a collapse). The
+  step reported is the first one of that final fall.
+  """
+  smooth = plots.moving_average(rewards, window)
+  best = np.maximum.accumulate(smooth)
+  if not smooth.size or smooth[-1] >= best[-1] - drop / 2:
+    return None
+  fallen = smooth < best - drop
+  if not fallen.any():
+    return None
+  # The last stretch the run spent near its best; the collapse follows it.
+  near_best = np.flatnonzero(smooth >= best - drop / 2)
+  after = np.flatnonzero(fallen & (np.arange(smooth.size) > near_best[-1]))
+  return int(steps[after[0]]) if after.size else None
+
+
+def first_time_at(curve: Sequence[Mapping[str, float]], target: float,
+                  key: str = 'seconds') -> float | None:
+  """`curve[key]` of the first eval point whose accuracy reaches `target`."""
+  for point in curve:
+    if point['accuracy'] >= target:
+      return float(point[key])
+  return None
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and its standard error (0 for a single value)."""
+  values = [float(v) for v in values]
+  if not values:
+    return math.nan, math.nan
+  se = (statistics.stdev(values) / math.sqrt(len(values))
+        if len(values) > 1 else 0.0)
+  return float(np.mean(values)), se
+
+
+def aggregate(summaries: Sequence[Mapping[str, Any]],
+              variants: Sequence[str]) -> dict[str, dict[str, Any]]:
+  """Per variant, in `variants` order: seeds put together."""
+  out = {}
+  for variant in variants:
+    runs = [s for s in summaries if s['variant'] == variant]
+    ok = [s for s in runs if 'failed' not in s]
+    final, final_se = mean_se([s['final_accuracy'] for s in ok])
+    initial, initial_se = mean_se([s['initial_accuracy'] for s in ok])
+    reward, reward_se = mean_se([s['final_reward'] for s in ok])
+    seconds, seconds_se = mean_se([s['seconds'] for s in ok])
+    stability = {}
+    for key in STABILITY_KEYS:
+      values = [s['stability'][key] for s in ok if key in s['stability']]
+      if values:
+        stability[key] = mean_se(values)[0]
+    out[variant] = {
+        'runs': len(runs), 'failed': len(runs) - len(ok),
+        'seeds': [s['seed'] for s in ok],
+        'initial_accuracy': initial, 'initial_accuracy_se': initial_se,
+        'final_accuracy': final, 'final_accuracy_se': final_se,
+        'final_reward': reward, 'final_reward_se': reward_se,
+        'seconds': seconds, 'seconds_se': seconds_se,
+        'collapsed': sum(s['collapsed'] for s in ok),
+        'collapse_steps': [s['collapse_step'] for s in ok if s['collapsed']],
+        'stability': stability,
+    }
+  return out
+
+
+def time_to_target(summaries: Sequence[Mapping[str, Any]],
+                   variants: Sequence[str], target: float
+                   ) -> dict[str, dict[str, Any]]:
+  """Per variant: trajectories and seconds until held-out accuracy first
+  reaches `target` (runs that never do are counted, not averaged in)."""
+  out = {}
+  for variant in variants:
+    runs = [s for s in summaries
+            if s['variant'] == variant and 'failed' not in s]
+    trajectories = [first_time_at(r['eval_curve'], target, 'trajectories')
+                    for r in runs]
+    seconds = [first_time_at(r['eval_curve'], target, 'seconds')
+               for r in runs]
+    reached_t = [t for t in trajectories if t is not None]
+    reached_s = [t for t in seconds if t is not None]
+    out[variant] = {
+        'runs': len(runs), 'reached': len(reached_t),
+        'trajectories': trajectories, 'seconds': seconds,
+        'median_trajectories': (float(np.median(reached_t)) if reached_t
+                                else None),
+        'median_seconds': float(np.median(reached_s)) if reached_s else None,
+    }
+  return out
+
+
+def target_table(to_target: Mapping[str, Mapping[str, Any]],
+                 target: float) -> str:
+  """The markdown table of `time_to_target`."""
+  rows = [f'| variant | reached {target} | median trajectories to {target} |'
+          f' median seconds to {target} |', '|---|---|---|---|']
+  for variant, t in to_target.items():
+    traj, sec = t['median_trajectories'], t['median_seconds']
+    rows.append(f'| {variant} | {t["reached"]}/{t["runs"]} |'
+                f' {"-" if traj is None else f"{traj:.0f}"} |'
+                f' {"-" if sec is None else f"{sec:.0f}"} |')
+  return '\n'.join(rows)
+
+
+def mean_curve(runs: Sequence[Mapping[str, Any]], x: str
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Mean eval accuracy (and SE) across seeds at each eval step.
+
+  Runs of one variant evaluate at the same steps; `x` ('step',
+  'trajectories' or 'seconds') is averaged across seeds too.
+  """
+  by_step: dict[int, list[Mapping[str, float]]] = {}
+  for run in runs:
+    for point in run['eval_curve']:
+      by_step.setdefault(point['step'], []).append(point)
+  steps = sorted(by_step)
+  xs = np.array([np.mean([p[x] for p in by_step[s]]) for s in steps])
+  stats = [mean_se([p['accuracy'] for p in by_step[s]]) for s in steps]
+  return xs, np.array([m for m, _ in stats]), np.array([e for _, e in stats])
+
+
+def plot_accuracy(summaries: Sequence[Mapping[str, Any]],
+                  variants: Sequence[str], path: str, title: str,
+                  axes: Sequence[str] = ('trajectories', 'seconds')) -> str:
+  """Held-out accuracy (mean over seeds, SE band) per variant, one panel
+  per x axis; plus the smoothed training reward against steps."""
+  fig = mpl_figure.Figure(figsize=(5 * (len(axes) + 1), 4), dpi=100)
+  backend_agg.FigureCanvasAgg(fig)
+  panels = fig.subplots(1, len(axes) + 1)
+  for variant in variants:
+    runs = [s for s in summaries
+            if s['variant'] == variant and 'failed' not in s]
+    if not runs:
+      continue
+    for ax, x in zip(panels, axes):
+      xs, mean, se = mean_curve(runs, x)
+      line, = ax.plot(xs, mean, marker='o', markersize=3,
+                      label=f'{variant} (n={len(runs)})')
+      ax.fill_between(xs, mean - se, mean + se, alpha=0.2,
+                      color=line.get_color())
+    length = min(len(r['reward_curve']) for r in runs)
+    reward = np.mean([[p['reward'] for p in r['reward_curve'][:length]]
+                      for r in runs], axis=0)
+    steps = [p['step'] for p in runs[0]['reward_curve'][:length]]
+    panels[-1].plot(steps, plots.moving_average(reward, 3), label=variant)
+  for ax, x in zip(panels, axes):
+    ax.set_xlabel({'seconds': 'wall-clock seconds',
+                   'trajectories': 'trajectories consumed'}.get(x, x))
+    ax.set_ylabel('held-out accuracy')
+    ax.grid(alpha=0.3)
+  panels[0].legend(fontsize=8)
+  panels[-1].set_xlabel('policy step')
+  panels[-1].set_ylabel('training reward (mean over seeds, 3-step avg)')
+  panels[-1].grid(alpha=0.3)
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path)
+  return path
+
+
+def markdown_table(aggregated: Mapping[str, Mapping[str, Any]],
+                   extra: Sequence[tuple[str, str]] = ()) -> str:
+  """A BENCHMARKS.md table: one row per variant.
+
+  `extra`: (column title, stability key) pairs appended as columns.
+  """
+  head = ('| variant | runs | held-out before | held-out after | final reward'
+          ' | seconds | collapsed |' + ''.join(f' {t} |' for t, _ in extra))
+  rule = '|' + '---|' * (7 + len(extra))
+  rows = [head, rule]
+  for variant, a in aggregated.items():
+    collapsed = str(a['collapsed'])
+    if a['collapse_steps']:
+      collapsed += ' (steps ' + ', '.join(map(str, a['collapse_steps'])) + ')'
+    row = (f'| {variant} | {a["runs"] - a["failed"]}/{a["runs"]} |'
+           f' {a["initial_accuracy"]:.3f} ± {a["initial_accuracy_se"]:.3f} |'
+           f' {a["final_accuracy"]:.3f} ± {a["final_accuracy_se"]:.3f} |'
+           f' {a["final_reward"]:.3f} ± {a["final_reward_se"]:.3f} |'
+           f' {a["seconds"]:.0f} | {collapsed} |')
+    for _, key in extra:
+      value = a['stability'].get(key)
+      row += f' {value:.3g} |' if value is not None else ' - |'
+    rows.append(row)
+  return '\n'.join(rows)
+
+
+def machine() -> dict[str, Any]:
+  """Where the numbers were measured."""
+  return {'platform': platform.platform(), 'python': platform.python_version(),
+          'cpus': os.cpu_count(), 'processor': platform.processor()}
+
+
+def write_result(path: str, payload: Mapping[str, Any]) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(payload, f, indent=1)

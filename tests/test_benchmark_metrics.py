@@ -1,0 +1,55 @@
+"""The evidence benchmarks' reductions, on hand-worked curves."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), 'benchmarks'))
+import online  # pylint: disable=g-import-not-at-top,wrong-import-position
+import training_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def test_collapse_step_finds_a_lasting_fall_not_a_dip():
+  steps = list(range(1, 13))
+  # Rises to 0.8, dips for one window and recovers: no collapse.
+  dip = [0.2, 0.5, 0.8, 0.8, 0.8, 0.2, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]
+  assert training_runs.collapse_step(steps, dip, drop=0.25, window=1) is None
+  # Rises to 0.8, then falls to 0.1 for good at step 8.
+  fall = [0.2, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.1, 0.1, 0.1, 0.1, 0.1]
+  assert training_runs.collapse_step(steps, fall, drop=0.25, window=1) == 8
+  # With a 2-step trailing mean the fall shows one step later
+  # (step 8: (0.8 + 0.1) / 2 = 0.45 is not below 0.8 - 0.5).
+  assert training_runs.collapse_step(steps, fall, drop=0.5, window=2) == 9
+  # A slow decline that ends within drop / 2 of the best is not a collapse.
+  assert training_runs.collapse_step(
+      steps, [0.8] * 6 + [0.7] * 6, drop=0.25, window=1) is None
+
+
+def test_first_time_at_and_mean_se():
+  curve = [dict(seconds=10, accuracy=0.2), dict(seconds=20, accuracy=0.85),
+           dict(seconds=30, accuracy=0.95)]
+  assert training_runs.first_time_at(curve, 0.9) == 30
+  assert training_runs.first_time_at(curve, 0.8) == 20
+  assert training_runs.first_time_at(curve, 0.99) is None
+  mean, se = training_runs.mean_se([1.0, 2.0, 3.0])
+  assert (mean, se) == (2.0, pytest.approx(1.0 / 3 ** 0.5))
+  assert training_runs.mean_se([4.0]) == (4.0, 0.0)
+
+
+def test_switch_report_recovery_and_post_switch_reward():
+  # Reward 1 before the switch at step 4; after it 0, 0.5, 0.95, 1, 1.
+  rewards = [0.9, 1.0, 1.0, 1.0, 0.0, 0.5, 0.95, 1.0, 1.0]
+  curve = [dict(step=s, reward=r) for s, r in enumerate(rewards, 1)]
+  (report,) = online.switch_report(curve, [4], total_steps=9, window=1)
+  assert report['pre_switch_reward'] == 1.0
+  # First step after the switch at >= 0.9 x 1.0: step 7, 3 steps after it.
+  assert report['steps_to_recover_90'] == 3
+  assert report['post_switch_mean_reward'] == pytest.approx(
+      (0.0 + 0.5 + 0.95 + 1.0 + 1.0) / 5)
+  assert report['first_step_reward'] == 0.0
+  # A 2-step window: pre-switch mean (1 + 1) / 2, recovered when the
+  # trailing mean reaches 0.9: step 8 ((0.95 + 1) / 2 = 0.975).
+  (report,) = online.switch_report(curve, [4], total_steps=9, window=2)
+  assert report['steps_to_recover_90'] == 4
