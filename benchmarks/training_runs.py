@@ -278,6 +278,17 @@ def first_time_at(curve: Sequence[Mapping[str, float]], target: float,
   return None
 
 
+def area_under_accuracy(curve: Sequence[Mapping[str, float]]) -> float:
+  """Mean held-out accuracy over a run's evaluations after step 0.
+
+  The area under the accuracy curve divided by its length (evaluations are
+  evenly spaced): one number that rewards learning sooner, not only ending
+  higher.
+  """
+  values = [p['accuracy'] for p in curve if p['step'] > 0]
+  return float(np.mean(values)) if values else math.nan
+
+
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
   """Mean and its standard error (0 for a single value)."""
   values = [float(v) for v in values]
@@ -299,6 +310,8 @@ def aggregate(summaries: Sequence[Mapping[str, Any]],
     initial, initial_se = mean_se([s['initial_accuracy'] for s in ok])
     reward, reward_se = mean_se([s['final_reward'] for s in ok])
     seconds, seconds_se = mean_se([s['seconds'] for s in ok])
+    area, area_se = mean_se([area_under_accuracy(s['eval_curve'])
+                             for s in ok])
     stability = {}
     for key in STABILITY_KEYS:
       values = [s['stability'][key] for s in ok if key in s['stability']]
@@ -310,6 +323,7 @@ def aggregate(summaries: Sequence[Mapping[str, Any]],
         'initial_accuracy': initial, 'initial_accuracy_se': initial_se,
         'final_accuracy': final, 'final_accuracy_se': final_se,
         'final_reward': reward, 'final_reward_se': reward_se,
+        'area_under_accuracy': area, 'area_under_accuracy_se': area_se,
         'seconds': seconds, 'seconds_se': seconds_se,
         'collapsed': sum(s['collapsed'] for s in ok),
         'collapse_steps': [s['collapse_step'] for s in ok if s['collapsed']],
@@ -419,9 +433,10 @@ def markdown_table(aggregated: Mapping[str, Mapping[str, Any]],
 
   `extra`: (column title, stability key) pairs appended as columns.
   """
-  head = ('| variant | runs | held-out before | held-out after | final reward'
-          ' | seconds | collapsed |' + ''.join(f' {t} |' for t, _ in extra))
-  rule = '|' + '---|' * (7 + len(extra))
+  head = ('| variant | runs | held-out before | held-out after |'
+          ' mean held-out (area) | final reward | seconds | collapsed |'
+          + ''.join(f' {t} |' for t, _ in extra))
+  rule = '|' + '---|' * (8 + len(extra))
   rows = [head, rule]
   for variant, a in aggregated.items():
     collapsed = str(a['collapsed'])
@@ -430,6 +445,8 @@ def markdown_table(aggregated: Mapping[str, Mapping[str, Any]],
     row = (f'| {variant} | {a["runs"] - a["failed"]}/{a["runs"]} |'
            f' {a["initial_accuracy"]:.3f} ± {a["initial_accuracy_se"]:.3f} |'
            f' {a["final_accuracy"]:.3f} ± {a["final_accuracy_se"]:.3f} |'
+           f' {a["area_under_accuracy"]:.3f} ±'
+           f' {a["area_under_accuracy_se"]:.3f} |'
            f' {a["final_reward"]:.3f} ± {a["final_reward_se"]:.3f} |'
            f' {a["seconds"]:.0f} | {collapsed} |')
     for _, key in extra:

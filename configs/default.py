@@ -33,21 +33,27 @@ def get_config(arg=None):
   arg = config_lib.parse_arg(arg, algorithm='sao', seed=0)
   c = ml_collections.ConfigDict()
   c.algorithm = arg.algorithm  # sao | grpo | grpo_dis | vapo | running_mean | ppo
-  c.seed = arg.seed
+  c.seed = arg.seed  # RNG of rollout sampling and of sampled evaluation
 
   c.model = ml_collections.ConfigDict()
-  c.model.source = 'smollm2-135m-instruct'  # or a Hugging Face checkpoint dir
+  # 'smollm2-135m-instruct' (embedded), 'tiny-random' (tests), or a Hugging
+  # Face checkpoint directory.
+  c.model.source = 'smollm2-135m-instruct'
   c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
-  c.model.param_dtype = 'float32'
+  c.model.param_dtype = 'float32'  # parameter (and AdamW state) dtype
   c.model.remat = False  # recompute layer activations in the backward pass
 
   # The task: a reasoning-gym dataset name, or arith_chain_sum |
   # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a
   # sandbox) | jsonl (local prompts through TFDS).
   c.task = ml_collections.ConfigDict()
-  c.task.name = 'chain_sum'
-  c.task.seed = 0
+  c.task.name = 'chain_sum'  # the task (the list above)
+  c.task.seed = 0  # which problems the task generates, and their order
   # reasoning-gym dataset parameters (the demo: 2 one-digit terms).
+  #   min_terms: fewest terms of a chain sum
+  #   max_terms: most terms of a chain sum
+  #   min_digits: fewest digits of a term
+  #   max_digits: most digits of a term
   c.task.dataset_kwargs = ml_collections.ConfigDict(
       dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))
   c.task.answer_format = 'plain'  # plain | tagged | none (prompt instruction)
@@ -55,15 +61,36 @@ def get_config(arg=None):
   c.task.num_terms = 2  # arith_chain_sum / calculator operands
   c.task.digits = 3  # arith_chain_sum / calculator operand digits
   c.task.held_out = 200  # eval problems (questions excluded from training)
+  # The calculator task (multi-turn tool use):
+  #   operators: binary operators of the problems, from '+-*'
+  #   max_turns: model turns per episode
+  #   max_calls_per_turn: tool calls answered per turn; more get an error
+  #   tool_delay_median_s: median simulated latency of a turn with calls
+  #   tool_delay_sigma: lognormal sigma of that latency
+  #   tool_delay_max_s: cap on one delay
   c.task.calculator = ml_collections.ConfigDict(dict(
       operators='+*', max_turns=4, max_calls_per_turn=4,
       tool_delay_median_s=0.0, tool_delay_sigma=1.0,
       tool_delay_max_s=0.0))  # heavy-tailed simulated tool latency; 0: none
-  c.task.humaneval_eval_size = 40
-  c.task.humaneval_max_turns = 1
+  c.task.humaneval_eval_size = 40  # HumanEval problems held out for eval
+  c.task.humaneval_max_turns = 1  # attempts; failed tests are fed back
+  # The sandbox that runs model-written code (humaneval):
+  #   mode: auto | root | userns | none (isolation; auto: best available)
+  #   timeout_s: wall-clock seconds before a run is killed
+  #   cpu_s: CPU seconds per process
+  #   memory_mb: address space per process
+  #   max_file_mb: largest file a run may write
+  #   max_procs: processes and threads of a run
+  #   max_concurrent_runs: sandboxed programs running at once
   c.task.sandbox = ml_collections.ConfigDict(dict(
       mode='auto', timeout_s=10.0, cpu_s=10, memory_mb=1024, max_file_mb=16,
       max_procs=32, max_concurrent_runs=0))  # 0: one per CPU
+  # Local prompts (task.name = 'jsonl'):
+  #   path: the JSONL file of questions and answers
+  #   scorer: math_verify | exact | numeric
+  #   eval_fraction: share of questions held out (by hash) for eval
+  #   eval_path: a separate eval JSONL file instead; '': none
+  #   cache_dir: where the prepared data goes; '': ~/.cache/sao_jax
   c.task.jsonl = ml_collections.ConfigDict(dict(
       path='', scorer='math_verify', eval_fraction=0.1, eval_path='',
       cache_dir=''))
@@ -77,6 +104,9 @@ def get_config(arg=None):
       delay_sigma=1.0,  # lognormal sigma of that latency (heavy tail)
       delay_max_s=0.0))  # cap on one delay; 0: none
   # Online learning (SAO.md §5): the rewarded answer format switches.
+  #   enabled: wrap the task in the switching reward
+  #   formats: the rewarded answer format of each phase
+  #   switch_steps: policy steps where the next phase starts
   c.task.nonstationary = ml_collections.ConfigDict(dict(
       enabled=False, formats=('statement', 'equation', 'statement'),
       switch_steps=(100, 200)))
@@ -130,20 +160,23 @@ def get_config(arg=None):
   c.optim.microbatches = 1  # gradient accumulation: the batch in this many parts
   for role, lr in (('actor', 2e-5), ('critic', 1e-4)):
     o = ml_collections.ConfigDict()
-    o.learning_rate = lr
-    o.warmup_steps = 3
-    o.grad_clip_norm = 1.0
-    o.b1 = 0.9
-    o.b2 = 0.999
-    o.weight_decay = 0.0
+    o.learning_rate = lr  # peak learning rate, after the warm-up
+    o.warmup_steps = 3  # linear warm-up from 0, in optimiser steps
+    o.grad_clip_norm = 1.0  # global gradient-norm clip
+    o.b1 = 0.9  # AdamW beta1
+    o.b2 = 0.999  # AdamW beta2
+    o.weight_decay = 0.0  # AdamW decoupled weight decay
     c.optim[role] = o
 
   # Kernels for the DIS loss and GAE: auto = Pallas on TPU, XLA elsewhere;
   # xla | pallas force one (pallas runs in interpret mode off TPU).
   c.kernels = ml_collections.ConfigDict()
-  c.kernels.implementation = 'auto'
+  c.kernels.implementation = 'auto'  # auto | xla | pallas
 
   # Device mesh: data x fsdp x tensor; -1 takes the devices the others leave.
+  #   data: data parallel (batch rows; parameters replicated)
+  #   fsdp: fully sharded data parallel (batch rows and parameters)
+  #   tensor: tensor parallel (within each layer)
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
 
   # Rollouts: JetStream servers, sampling, asynchrony (SAO.md §2).
@@ -169,7 +202,7 @@ def get_config(arg=None):
   c.rollout.top_p = 1.0  # 1: off
   # Client.
   c.rollout.max_in_flight_per_server = 16  # the server never refuses load
-  c.rollout.request_deadline_s = 300.0
+  c.rollout.request_deadline_s = 300.0  # seconds one generation may take
   c.rollout.max_retries = 3  # re-sends to another live server on UNAVAILABLE
   c.rollout.get_batch_timeout_s = 1800.0  # learner gives up waiting for data
   # Host-side queue between workers and the learner.
@@ -184,19 +217,29 @@ def get_config(arg=None):
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 11  # also every N policy steps; 0: at the start and end only
   c.eval.at_start = True  # evaluate the untrained policy first
-  c.eval.max_new_tokens = 16
+  c.eval.max_new_tokens = 16  # per held-out reply
   # 0: greedy, accuracy of the policy's mode. > 0 samples each held-out reply
   # at this temperature (key from seed and step): the accuracy of the policy's
   # distribution, which keeps moving after the mode is already right.
   c.eval.temperature = 0.0
-  c.eval.batch_size = 64
+  c.eval.batch_size = 64  # held-out prompts decoded together
 
   # Orbax checkpoints in workdir/checkpoints; a workdir resumes where it was.
+  #   every: save every N policy steps (and on SIGTERM)
+  #   max_to_keep: newest checkpoints kept
   c.checkpoint = ml_collections.ConfigDict(dict(every=10, max_to_keep=2))
+  # Logs (metrics.jsonl is always written):
+  #   tensorboard: also write workdir/tensorboard
+  #   progress: show a progress bar over policy steps
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True))
   c.export_hf = False  # write the trained policy to workdir/hf_export
 
   # Multi-host (TPU pods): join jax.distributed before touching devices.
+  #   enabled: call jax.distributed.initialize
+  #   coordinator_address: host:port of process 0; '': discover (Cloud TPU)
+  #   num_processes: number of processes; -1: discover
+  #   process_id: this process's index; -1: discover
+  #   local_device_ids: comma-separated local devices; '': all
   c.distributed = ml_collections.ConfigDict(dict(
       enabled=False, coordinator_address='', num_processes=-1, process_id=-1,
       local_device_ids=''))

@@ -36,6 +36,10 @@ def test_first_time_at_and_mean_se():
   mean, se = training_runs.mean_se([1.0, 2.0, 3.0])
   assert (mean, se) == (2.0, pytest.approx(1.0 / 3 ** 0.5))
   assert training_runs.mean_se([4.0]) == (4.0, 0.0)
+  # Step 0 (the untrained policy) is not part of the area.
+  curve = [dict(step=0, accuracy=0.1), dict(step=5, accuracy=0.4),
+           dict(step=10, accuracy=0.8)]
+  assert training_runs.area_under_accuracy(curve) == pytest.approx(0.6)
 
 
 def test_switch_report_recovery_and_post_switch_reward():
