@@ -170,37 +170,9 @@ print(f'{config.algorithm} on {config.model.source} / {config.task.name}:'
 # instead, on background threads: the same JetStream orchestrator, engine and
 # gRPC services (`sao_jax.rollout.server.RolloutServer`) on a free loopback
 # port, sharing the model's devices with the learner (one process can hold a
-# TPU; two cannot). The trainer is pointed at it with
-# `config.rollout.server_addresses`, as it would be at a remote server.
-
-# %%
-import contextlib
-import secrets
-import tempfile
-
-from sao_jax.rollout import engine as engine_lib
-from sao_jax.rollout import server as server_lib
-
-
-@contextlib.contextmanager
-def in_process_jetstream(config):
-  """Serves `config`'s model here; yields a copy of `config` pointing at it."""
-  secret = secrets.token_hex(16)  # authenticates the learner's weight pushes
-  fd, secret_file = tempfile.mkstemp(prefix='sao_admin_')
-  with os.fdopen(fd, 'w') as f:
-    f.write(secret)
-  engine = engine_lib.build_engine(config, devices=jax.local_devices()[:1])
-  server = server_lib.RolloutServer(engine, port=0, secret=secret,
-                                    host='127.0.0.1')
-  run_config = config.copy_and_resolve_references()
-  run_config.rollout.server_addresses = f'127.0.0.1:{server.port}'
-  run_config.rollout.admin_secret_file = secret_file
-  try:
-    yield run_config
-  finally:
-    server.stop()
-    os.remove(secret_file)
-
+# TPU; two cannot). `in_process.serve(config)` starts it and yields a copy of
+# the config whose `rollout.server_addresses` points the trainer at it, as it
+# would at a remote server.
 
 # %% [markdown]
 # ## Train
@@ -214,12 +186,13 @@ import logging
 
 from sao_jax import evaluation
 from sao_jax import trainer
+from sao_jax.rollout import in_process
 from sao_jax.rollout import jetstream_compat
 
 logging.getLogger().setLevel(logging.WARNING)
 jetstream_compat.quiet_orchestrator_logs()
 
-with in_process_jetstream(config) as run_config:
+with in_process.serve(config) as run_config:
   result = trainer.run(run_config, WORKDIR)
 if result.before is not None and result.after is not None:
   print(evaluation.format_report(result.before, result.after))

@@ -384,11 +384,19 @@ no_rest_args() {
   fi
 }
 
-# all_vms: "NAME ZONE" per line, learner first.
-all_vms() {
-  printf '%s %s\n' "$LEARNER_NAME" "$ZONE"
-  local name
-  while IFS= read -r name; do
-    printf '%s %s\n' "$name" "$SERVER_ZONE"
-  done < <(server_names)
+# vms WITH_LEARNER WITH_SERVERS (each 0 or 1): "NAME ZONE" per line of the
+# learner VM and / or the server VMs, learner first.
+vms() {
+  if [ "$1" = 1 ]; then
+    printf '%s %s\n' "$LEARNER_NAME" "$ZONE"
+  fi
+  if [ "$2" = 1 ]; then
+    local name
+    while IFS= read -r name; do
+      printf '%s %s\n' "$name" "$SERVER_ZONE"
+    done < <(server_names)
+  fi
 }
+
+# all_vms: "NAME ZONE" per line, learner first.
+all_vms() { vms 1 1; }

@@ -51,14 +51,9 @@ done
 require PROJECT ZONE LEARNER_NAME
 
 targets=()
-if [ "$do_learner" = 1 ]; then
-  targets+=("$LEARNER_NAME $ZONE")
-fi
-if [ "$do_servers" = 1 ]; then
-  while IFS= read -r name; do
-    targets+=("$name $SERVER_ZONE")
-  done < <(server_names)
-fi
+while IFS= read -r target; do
+  targets+=("$target")
+done < <(vms "$do_learner" "$do_servers")
 [ ${#targets[@]} -gt 0 ] || die "nothing to set up"
 
 for target in "${targets[@]}"; do

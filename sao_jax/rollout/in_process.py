@@ -1,0 +1,58 @@
+"""A rollout server inside the calling process, for notebooks.
+
+`python -m sao_jax.train` starts its rollout servers as subprocesses
+(`local_servers`). A notebook cannot always do that: on a TPU runtime one
+process holds the chips, and two processes cannot share them. `serve` runs the
+same JetStream server (`server.RolloutServer`: orchestrator, engine, gRPC and
+admin services) on background threads of this process, on a free loopback
+port, and yields a copy of the config that points the trainer at it through
+`rollout.server_addresses`, exactly as at a remote server. The learner's
+weight pushes are authenticated by a fresh admin secret, kept in a private
+temporary file (`rollout.admin_secret_file`) that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import tempfile
+
+import jax
+
+from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import server as server_lib
+
+
+@contextlib.contextmanager
+def serve(config, devices=None):
+  """Serves `config`'s model in this process while the context is open.
+
+  Args:
+    config: a training config; its model, sampling and engine shape are
+      served. It is not modified.
+    devices: the engine's devices; defaults to the first local device, which
+      the learner shares.
+
+  Yields:
+    A copy of `config` with `rollout.server_addresses` and
+    `rollout.admin_secret_file` set for this server.
+  """
+  secret = secrets.token_hex(16)
+  fd, secret_file = tempfile.mkstemp(prefix='sao_admin_')  # mode 600
+  try:
+    with os.fdopen(fd, 'w') as f:
+      f.write(secret)
+    engine = engine_lib.build_engine(
+        config, devices=devices or jax.local_devices()[:1])
+    server = server_lib.RolloutServer(engine, port=0, secret=secret,
+                                      host='127.0.0.1')
+    try:
+      run_config = config.copy_and_resolve_references()
+      run_config.rollout.server_addresses = f'127.0.0.1:{server.port}'
+      run_config.rollout.admin_secret_file = secret_file
+      yield run_config
+    finally:
+      server.stop()
+  finally:
+    os.remove(secret_file)
