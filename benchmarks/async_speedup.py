@@ -83,11 +83,12 @@ def main():
   summaries = training_runs.run_grid(
       specs, args.workdir + ('-quick' if args.quick else ''),
       batch_size=BATCH_SIZE)
-  ok = {m: [s for s in summaries if s['variant'] == m and 'failed' not in s]
-        for m in modes}
+  # {mode: {seed: run}} of the finished runs.
+  by_seed = {m: {r['seed']: r for r in training_runs.ok_runs(summaries, m)}
+             for m in modes}
   report = {}
   for mode in modes:
-    runs = ok[mode]
+    runs = list(by_seed[mode].values())
     for run in runs:
       run['seconds_to_target'] = training_runs.first_time_at(
           run['eval_curve'], args.target)
@@ -95,32 +96,19 @@ def main():
                if r['seconds_to_target'] is not None]
     report[mode] = {
         'runs': len(runs), 'reached_target': len(reached),
-        'seconds_to_target': training_runs.mean_se(reached),
-        'final_accuracy': training_runs.mean_se(
-            [r['final_accuracy'] for r in runs]),
-        'trajectories_per_second': training_runs.mean_se(
-            [r['trajectories_per_second'] for r in runs]),
-        'learner_idle_fraction': training_runs.mean_se(
-            [r['learner_idle_fraction'] for r in runs]),
-        'generator_idle_fraction': training_runs.mean_se(
-            [r['generator_idle_fraction'] for r in runs]),
-        'loop_seconds': training_runs.mean_se(
-            [r['loop_seconds'] for r in runs]),
-    }
-  # Speedup per seed (the pair ran back to back), then its median.
-  speedups = []
-  for seed in range(seeds):
-    pair = {m: next((r for r in ok[m] if r['seed'] == seed), None)
-            for m in modes}
-    if all(p and p['seconds_to_target'] for p in pair.values()):
-      speedups.append(pair['sync']['seconds_to_target']
-                      / pair['async']['seconds_to_target'])
-  throughput = [
-      next(r for r in ok['async'] if r['seed'] == s)['trajectories_per_second']
-      / next(r for r in ok['sync'] if r['seed'] == s)['trajectories_per_second']
-      for s in range(seeds)
-      if any(r['seed'] == s for r in ok['async'])
-      and any(r['seed'] == s for r in ok['sync'])]
+        'seconds_to_target': training_runs.mean_se(reached)}
+    for key in ('final_accuracy', 'trajectories_per_second',
+                'learner_idle_fraction', 'generator_idle_fraction',
+                'loop_seconds'):
+      report[mode][key] = training_runs.mean_se([r[key] for r in runs])
+  # Ratios per seed: the pair of a seed ran back to back.
+  pairs = [(by_seed['sync'][s], by_seed['async'][s]) for s in range(seeds)
+           if s in by_seed['sync'] and s in by_seed['async']]
+  speedups = [sync['seconds_to_target'] / fast['seconds_to_target']
+              for sync, fast in pairs
+              if sync['seconds_to_target'] and fast['seconds_to_target']]
+  throughput = [fast['trajectories_per_second']
+                / sync['trajectories_per_second'] for sync, fast in pairs]
   result = {
       'benchmark': 'async_speedup', 'quick': args.quick,
       'command': ' '.join(['python', 'benchmarks/async_speedup.py']

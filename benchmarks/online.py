@@ -97,8 +97,7 @@ def main():
       batch_size=BATCH_SIZE)
   per_variant = {}
   for variant in VARIANTS:
-    runs = [s for s in summaries
-            if s['variant'] == variant and 'failed' not in s]
+    runs = training_runs.ok_runs(summaries, variant)
     for run in runs:
       run['switches'] = switch_report(run['reward_curve'], switches, total,
                                       window)
@@ -146,17 +145,13 @@ def _plot(summaries, switches, path):
   backend_agg.FigureCanvasAgg(fig)
   ax = fig.subplots()
   for variant in VARIANTS:
-    runs = [s for s in summaries
-            if s['variant'] == variant and 'failed' not in s]
+    runs = training_runs.ok_runs(summaries, variant)
     if not runs:
       continue
-    length = min(len(r['reward_curve']) for r in runs)
-    reward = np.array([[p['reward'] for p in r['reward_curve'][:length]]
-                       for r in runs])
-    steps = [p['step'] for p in runs[0]['reward_curve'][:length]]
-    mean = plots.moving_average(reward.mean(0), 3)
+    steps, reward_RxS = training_runs.reward_rows(runs)
+    mean = plots.moving_average(reward_RxS.mean(0), 3)
     line, = ax.plot(steps, mean, label=f'{variant} (n={len(runs)})')
-    for row in reward:
+    for row in reward_RxS:
       ax.plot(steps, plots.moving_average(row, 3), color=line.get_color(),
               alpha=0.2, linewidth=0.8)
   for switch in switches:

@@ -299,13 +299,30 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
   return float(np.mean(values)), se
 
 
+def ok_runs(summaries: Sequence[Mapping[str, Any]],
+            variant: str) -> list[Mapping[str, Any]]:
+  """The finished (not failed) runs of `variant`."""
+  return [s for s in summaries
+          if s['variant'] == variant and 'failed' not in s]
+
+
+def reward_rows(runs: Sequence[Mapping[str, Any]]
+                ) -> tuple[list[int], np.ndarray]:
+  """`(steps, reward_RxS)`: each run's training reward per step, cut to the
+  shortest run, for curves averaged over seeds."""
+  length = min(len(r['reward_curve']) for r in runs)
+  reward_RxS = np.array([[p['reward'] for p in r['reward_curve'][:length]]
+                         for r in runs])
+  return [p['step'] for p in runs[0]['reward_curve'][:length]], reward_RxS
+
+
 def aggregate(summaries: Sequence[Mapping[str, Any]],
               variants: Sequence[str]) -> dict[str, dict[str, Any]]:
   """Per variant, in `variants` order: seeds put together."""
   out = {}
   for variant in variants:
     runs = [s for s in summaries if s['variant'] == variant]
-    ok = [s for s in runs if 'failed' not in s]
+    ok = ok_runs(runs, variant)
     final, final_se = mean_se([s['final_accuracy'] for s in ok])
     initial, initial_se = mean_se([s['initial_accuracy'] for s in ok])
     reward, reward_se = mean_se([s['final_reward'] for s in ok])
@@ -339,8 +356,7 @@ def time_to_target(summaries: Sequence[Mapping[str, Any]],
   reaches `target` (runs that never do are counted, not averaged in)."""
   out = {}
   for variant in variants:
-    runs = [s for s in summaries
-            if s['variant'] == variant and 'failed' not in s]
+    runs = ok_runs(summaries, variant)
     trajectories = [first_time_at(r['eval_curve'], target, 'trajectories')
                     for r in runs]
     seconds = [first_time_at(r['eval_curve'], target, 'seconds')
@@ -396,8 +412,7 @@ def plot_accuracy(summaries: Sequence[Mapping[str, Any]],
   backend_agg.FigureCanvasAgg(fig)
   panels = fig.subplots(1, len(axes) + 1)
   for variant in variants:
-    runs = [s for s in summaries
-            if s['variant'] == variant and 'failed' not in s]
+    runs = ok_runs(summaries, variant)
     if not runs:
       continue
     for ax, x in zip(panels, axes):
@@ -406,11 +421,9 @@ def plot_accuracy(summaries: Sequence[Mapping[str, Any]],
                       label=f'{variant} (n={len(runs)})')
       ax.fill_between(xs, mean - se, mean + se, alpha=0.2,
                       color=line.get_color())
-    length = min(len(r['reward_curve']) for r in runs)
-    reward = np.mean([[p['reward'] for p in r['reward_curve'][:length]]
-                      for r in runs], axis=0)
-    steps = [p['step'] for p in runs[0]['reward_curve'][:length]]
-    panels[-1].plot(steps, plots.moving_average(reward, 3), label=variant)
+    steps, reward_RxS = reward_rows(runs)
+    panels[-1].plot(steps, plots.moving_average(reward_RxS.mean(0), 3),
+                    label=variant)
   for ax, x in zip(panels, axes):
     ax.set_xlabel({'seconds': 'wall-clock seconds',
                    'trajectories': 'trajectories consumed'}.get(x, x))
