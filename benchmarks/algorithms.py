@@ -46,9 +46,12 @@ RECIPES = {
 }
 QUICK = {'total_steps': 3, 'eval.every': 0, 'task.held_out': 16}
 
-STABILITY_COLUMNS = (('DIS/clip below', 'policy/frac_below'),
-                     ('above', 'policy/frac_above'),
+STABILITY_COLUMNS = (('optimizer steps per batch', 'policy/optimizer_steps'),
+                     ('DIS below', 'policy/frac_below'),
+                     ('DIS above', 'policy/frac_above'),
                      ('PPO clip frac', 'policy/clip_frac'),
+                     ('ratio min', 'policy/ratio_min'),
+                     ('ratio max', 'policy/ratio_max'),
                      ('actor grad norm', 'policy/grad_norm'))
 
 

@@ -41,7 +41,7 @@ VARIANTS = {
     'sao': ('sao', {}),
     'running_mean (W=128)': ('running_mean', {
         'advantage.running_mean_scope': 'global',
-        'advantage.running_mean_window': 128}),
+        'advantage.running_mean_global_window': 128}),
 }
 
 

@@ -29,6 +29,7 @@ import training_runs  # pylint: disable=g-import-not-at-top,wrong-import-positio
 
 BOUNDS = (0, 2, 4, 8)
 COLUMNS = (('realised staleness', 'rollout/staleness_mean'),
+           ('optimizer steps per batch', 'policy/optimizer_steps'),
            ('DIS below', 'policy/frac_below'),
            ('DIS above', 'policy/frac_above'),
            ('PPO clip frac', 'policy/clip_frac'),

@@ -51,7 +51,7 @@ from sao_jax import plots  # pylint: disable=g-import-not-at-top,wrong-import-po
 STABILITY_KEYS = (
     'policy/frac_below', 'policy/frac_above', 'policy/ratio_min',
     'policy/ratio_max', 'policy/ratio_mean', 'policy/clip_frac',
-    'policy/kl_k3',
+    'policy/kl_k3', 'policy/optimizer_steps', 'policy/behavior_weight_mean',
     'policy/grad_norm', 'critic/grad_norm', 'critic/explained_variance',
     'rollout/staleness_mean', 'rollout/staleness_max',
     'time/learner_idle_fraction', 'time/wait_seconds', 'time/train_seconds',

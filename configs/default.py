@@ -124,7 +124,23 @@ def get_config(arg=None):
   c.policy_loss.eps_high = 5.0  # epsilon_high (paper, math: 5.0; coding: 3.0)
   c.policy_loss.dual_clip = 0.0  # PPO dual-clip c > 1; 0 disables it
   c.policy_loss.aggregation = 'token_mean'  # token_mean | seq_mean_token_mean
-  c.policy_loss.kl_coef = 0.0  # beta of a k3 KL(mu || pi) penalty; off in SAO
+  # PPO's old policy (DIS ignores it: its ratio is always against mu_t).
+  # recompute = the weights at the start of the batch (PPO; verl and
+  # OpenRLHF's default; the engine-learner lag is not corrected); behavior =
+  # the engine's mu_t (verl's rollout-correction "bypass"); decoupled = AReaL's
+  # decoupled PPO: clip against the recomputed proximal policy, each token
+  # weighted by min(pi_prox / mu, C) (C truncates where AReaL masks the tokens
+  # above it, as verl's truncated importance sampling does).
+  c.policy_loss.old_logprobs = 'recompute'  # recompute | behavior | decoupled
+  c.policy_loss.behavior_weight_cap = 2.0  # C of `decoupled` (verl TIS: 2)
+  # beta of a k3 KL(mu || pi) penalty towards the rollout engine's policy
+  # (not the reference model); off in SAO.
+  c.policy_loss.behavior_kl_coef = 0.0
+  # beta of GRPO's KL(pi || pi_ref) penalty to the frozen initial policy; off by
+  # default. Costs one more copy of the policy's parameters in the learner
+  # state and one more forward pass per batch.
+  c.policy_loss.ref_kl_coef = 0.0
+  c.policy_loss.ref_kl_estimator = 'k3'  # k1 | k3 (GRPO's, verl low_var_kl)
   c.policy_loss.entropy_coef = 0.0  # entropy bonus; off in SAO
 
   # Advantage A_t. Skip-observation GAE runs over action tokens only
@@ -140,9 +156,16 @@ def get_config(arg=None):
   c.advantage.alpha = 1.5  # alpha of the length-adaptive lambda
   c.advantage.lam = 0.95  # lambda_policy when adaptive_lambda is False
   c.advantage.normalize = False  # whiten A over the batch's action tokens
-  c.advantage.running_mean_window = 8  # W (paper: 8 per prompt, 128 global)
+  # The critic's values behind A: pre_update (before the batch's K critic
+  # updates, as verl computes them) | post_update (after them: the baseline
+  # has regressed onto each trajectory's own return; an ablation).
+  c.advantage.values_from = 'pre_update'
+  # Running-mean baseline, per question (a digest of the prompt tokens) or
+  # global; a question with no history yet uses the global window's mean.
   c.advantage.running_mean_scope = 'prompt'  # prompt | global
-  c.advantage.running_mean_slots = 65536  # distinct prompts tracked (per prompt)
+  c.advantage.running_mean_window = 8  # W per question (paper: 8)
+  c.advantage.running_mean_global_window = 128  # W global (paper online: 128)
+  c.advantage.running_mean_slots = 65536  # distinct questions tracked
 
   # Critic V_phi: same backbone, scalar head, trained K times per policy step.
   c.critic = ml_collections.ConfigDict()
@@ -150,18 +173,33 @@ def get_config(arg=None):
   c.critic.frozen_attention = True  # attention parameters not trained in RL
   c.critic.lam = 1.0  # lambda_critic: Monte-Carlo returns
   c.critic.value_clip = 0.0  # PPO value clip width; 0 disables it
-  c.critic.pretrain_steps = 3  # value pretraining budget (steps) before RL
-  c.critic.pretrain_patience = 5  # stop early after this many steps without
-  c.critic.pretrain_min_delta = 0.01  # ... this much explained-variance gain
+  # Value pretraining on the initial policy's rollouts: stops when the
+  # critic's R^2 = 1 - MSE / Var(R) (explained variance that also counts an
+  # offset from the mean return; measured on each new batch before training
+  # on it) has not gained pretrain_min_delta for pretrain_patience batches
+  # (batches of equal rewards, where it is undefined, do not count), or after
+  # pretrain_steps batches. The critic's optimizer then starts afresh, so
+  # RL's warm-up begins at RL step 0.
+  c.critic.pretrain_steps = 20  # at most this many batches
+  c.critic.pretrain_patience = 3  # batches without gain before stopping
+  c.critic.pretrain_min_delta = 0.01  # the R^2 gain that counts
 
   # Optimisers (AdamW). Paper (30B MoE): actor 1e-6, critic 5e-6 (5x),
   # 10-step warm-up; the demo's 135M model over 30 steps needs faster rates.
   c.optim = ml_collections.ConfigDict()
-  c.optim.microbatches = 1  # gradient accumulation: the batch in this many parts
+  # Policy updates per batch (SAO.md §2): values, advantages and old
+  # log-probs are computed once, then E passes over the batch, each in M
+  # shuffled mini-batches, one optimizer step per mini-batch. SAO: E = M = 1
+  # (DIS compares with mu_t); the PPO-clipped presets use verl's default M = 4.
+  c.optim.policy_epochs = 1  # E: passes over each batch
+  c.optim.policy_minibatches = 1  # M: mini-batches per pass
+  # Gradient accumulation inside one optimizer step: each mini-batch in this
+  # many parts.
+  c.optim.microbatches = 1
   for role, lr in (('actor', 2e-5), ('critic', 1e-4)):
     o = ml_collections.ConfigDict()
     o.learning_rate = lr  # peak learning rate, after the warm-up
-    o.warmup_steps = 3  # linear warm-up from 0, in optimiser steps
+    o.warmup_steps = 3  # linear warm-up from 0, in optimizer steps
     o.grad_clip_norm = 1.0  # global gradient-norm clip
     o.b1 = 0.9  # AdamW beta1
     o.b2 = 0.999  # AdamW beta2
@@ -249,25 +287,52 @@ def get_config(arg=None):
 
 
 def _apply_algorithm_presets(c):
-  """Sampling, estimator and loss of the paper's baselines (SAO.md §3)."""
+  """Sampling, estimator, loss and update schedule of the paper's baselines.
+
+  SAO.md §3, each run the way its paper and its peers run it:
+    sao: 1 rollout, skip-observation GAE with a critic, DIS (the defaults).
+    grpo: vanilla GRPO with clip-higher: G = 8 samples per prompt (paper
+      16 x 8), group-normalised reward, PPO clip 0.2 / 0.28 against the
+      recomputed old policy (`old_logprobs=recompute`, the GRPO paper's and
+      verl's), M = 4 mini-batches per batch (verl's default ratio), no KL
+      (`policy_loss.ref_kl_coef` adds GRPO's reference KL).
+    grpo_dis: GRPO's groups and advantages with SAO's DIS loss, E = M = 1.
+    vapo: VAPO (arXiv 2504.05118) as far as sao_jax has it: G = 8 samples per
+      prompt (VAPO's group sampling; SAO.md's table runs it with 1, set
+      `group_size=1`), decoupled GAE (lambda_critic = 1, length-adaptive
+      lambda_policy with alpha = 0.05), clip-higher 0.2 / 0.28 against the
+      recomputed old policy, token-level loss, value pretraining, M = 4, one
+      critic update per batch with attention trained. Not included: VAPO's
+      positive-example LM loss and its 50-step critic warm-up.
+    running_mean: 1 rollout, reward minus the question's running mean, DIS.
+    ppo: classic PPO: fixed lambda for actor and critic, symmetric clip 0.2,
+      no value pretraining, M = 4.
+  """
   if c.algorithm not in config_lib.ALGORITHMS:
     raise config_lib.ConfigError(
         f'unknown algorithm {c.algorithm!r}; expected one of'
         f' {", ".join(config_lib.ALGORITHMS)}')
+  if c.algorithm in ('grpo', 'grpo_dis', 'vapo'):
+    c.group_size = 8  # G (GRPO paper: 16 prompts x 8)
   if c.algorithm in ('grpo', 'grpo_dis'):
-    c.group_size = 8  # G (paper: 16 prompts x 8)
     c.advantage.estimator = 'grpo'
   if c.algorithm == 'running_mean':
     c.advantage.estimator = 'running_mean'
   if c.algorithm in ('grpo', 'vapo', 'ppo'):
     c.policy_loss.name = 'ppo'
+    c.policy_loss.old_logprobs = 'recompute'
     c.policy_loss.eps_low = 0.2
     # Clip-higher (DAPO, VAPO) for the LLM baselines; symmetric for plain PPO.
     c.policy_loss.eps_high = 0.2 if c.algorithm == 'ppo' else 0.28
+    # With one step per batch a clip against a recomputed old policy never
+    # acts (the ratio is exactly 1): peers take several (verl: 4).
+    c.optim.policy_minibatches = 4
   if c.algorithm in ('vapo', 'ppo'):
     # Vanilla critics: one update per policy step, attention trained too.
     c.critic.steps_per_policy_step = 1
     c.critic.frozen_attention = False
+  if c.algorithm == 'vapo':
+    c.advantage.alpha = 0.05  # VAPO's length-adaptive alpha
   if c.algorithm == 'ppo':
     # Classic PPO: fixed lambda for actor and critic, no value pretraining.
     c.advantage.adaptive_lambda = False

@@ -179,38 +179,53 @@ class RunningMeanState(NamedTuple):
 
   Attributes:
     history_SxW: float32 `[S, W]`: the last W rewards of each of S slots (a slot
-      is one prompt for the per-prompt baseline, or the single slot of the
-      global baseline). Entries not yet written are 0.
+      is one question for the per-question baseline). Entries not yet written
+      are 0. The global baseline keeps one unused slot.
     count_S: int32 `[S]`: how many rewards each slot has ever received.
+    global_history_G: float32 `[G]`: the last G rewards of any question (the
+      global baseline, and the per-question baseline's fallback while a
+      question's own window is empty).
+    global_count: int32 scalar: rewards the global window has ever received.
   """
   history_SxW: jax.Array
   count_S: jax.Array
+  global_history_G: jax.Array
+  global_count: jax.Array
 
 
-def running_mean_init(num_slots: int, window: int) -> RunningMeanState:
-  """Empty running-mean state: `num_slots` slots of window W = `window`."""
-  if num_slots < 1 or window < 1:
-    raise ValueError('running_mean_init: num_slots and window must be >= 1, got'
-                     f' num_slots={num_slots}, window={window}')
+def running_mean_init(num_slots: int, window: int,
+                      global_window: int) -> RunningMeanState:
+  """Empty state: `num_slots` windows of W = `window`, one of `global_window`."""
+  if min(num_slots, window, global_window) < 1:
+    raise ValueError('running_mean_init: num_slots, window and global_window'
+                     f' must be >= 1, got num_slots={num_slots},'
+                     f' window={window}, global_window={global_window}')
   return RunningMeanState(
       history_SxW=jnp.zeros((num_slots, window), _F32),
-      count_S=jnp.zeros((num_slots,), jnp.int32))
+      count_S=jnp.zeros((num_slots,), jnp.int32),
+      global_history_G=jnp.zeros((global_window,), _F32),
+      global_count=jnp.zeros((), jnp.int32))
 
 
 def running_mean_advantages(state: RunningMeanState, rewards, slot_ids=None):
-  """Reward minus the mean of the slot's last W rewards (SAO §3 baseline).
+  """Reward minus the mean of recent rewards (SAO §3 running-mean baseline).
 
-  The baseline of every trajectory is read from the state *before* this batch,
-  so a reward never enters its own baseline (which keeps the estimator
-  unbiased); a slot with no history has baseline 0. The batch's rewards are then
-  appended in order, so with duplicates in one batch the later ones win the ring
-  buffer positions.
+  Per question (`slot_ids` given): the mean of the question's last W rewards,
+  or, while the question has none yet, the mean of the last G rewards of any
+  question (a question seen for the first time is judged against the global
+  level, not against 0). Global (`slot_ids` None): the mean of the last G
+  rewards. Either baseline is 0 before any reward was recorded.
+
+  Baselines are read from the state *before* this batch, so a reward never
+  enters its own baseline (which keeps the estimator unbiased); the batch's
+  rewards are then appended in order, so with duplicates in one batch the
+  later ones win the ring buffer positions.
 
   Args:
-    state: a `RunningMeanState` with S slots of window W.
+    state: a `RunningMeanState`.
     rewards: float `[B]` outcome rewards.
-    slot_ids: int `[B]` slot of each trajectory, in `[0, S)` (the per-prompt
-      baseline maps prompt ids to slots); None for the global baseline (S = 1).
+    slot_ids: int `[B]` slot of each trajectory's question, in `[0, S)`; None
+      for the global baseline.
 
   Returns:
     `(advantages, new_state)`: float32 `[B]` and the updated state.
@@ -219,28 +234,41 @@ def running_mean_advantages(state: RunningMeanState, rewards, slot_ids=None):
   array_checks.require_rank(where, 'rewards', rewards, '[B]')
   (batch,) = jnp.shape(rewards)
   num_slots, window = state.history_SxW.shape
-  if slot_ids is None:
-    if num_slots != 1:
-      raise ValueError(f'{where}: slot_ids is None (global baseline) but the'
-                       f' state has {num_slots} slots; expected 1')
-    slot_ids = jnp.zeros((batch,), jnp.int32)
-  array_checks.require_shape(where, 'slot_ids', slot_ids, (batch,), '[B]')
+  (global_window,) = state.global_history_G.shape
   rewards_B = jnp.asarray(rewards, _F32)
-  slots_B = jnp.asarray(slot_ids, jnp.int32)
 
-  filled_S = jnp.minimum(state.count_S, window)
-  mean_S = jnp.sum(state.history_SxW, axis=1) / jnp.maximum(filled_S, 1)
-  advantages_B = rewards_B - mean_S[slots_B]
+  global_filled = jnp.minimum(state.global_count, global_window)
+  global_mean = (jnp.sum(state.global_history_G)
+                 / jnp.maximum(global_filled, 1))
+  if slot_ids is None:
+    baseline_B = jnp.full((batch,), global_mean, _F32)
+    history_SxW, count_S = state.history_SxW, state.count_S
+  else:
+    array_checks.require_shape(where, 'slot_ids', slot_ids, (batch,), '[B]')
+    slots_B = jnp.asarray(slot_ids, jnp.int32)
+    filled_S = jnp.minimum(state.count_S, window)
+    mean_S = jnp.sum(state.history_SxW, axis=1) / jnp.maximum(filled_S, 1)
+    baseline_B = jnp.where(filled_S[slots_B] > 0, mean_S[slots_B],
+                           global_mean)
 
-  def append(carry, xs):
-    history_SxW, count_S = carry
-    reward, slot = xs
-    history_SxW = history_SxW.at[slot, count_S[slot] % window].set(reward)
-    return (history_SxW, count_S.at[slot].add(1)), None
+    def append(carry, xs):
+      history_SxW, count_S = carry
+      reward, slot = xs
+      history_SxW = history_SxW.at[slot, count_S[slot] % window].set(reward)
+      return (history_SxW, count_S.at[slot].add(1)), None
 
-  (history_SxW, count_S), _ = jax.lax.scan(
-      append, (state.history_SxW, state.count_S), (rewards_B, slots_B))
-  return advantages_B, RunningMeanState(history_SxW, count_S)
+    (history_SxW, count_S), _ = jax.lax.scan(
+        append, (state.history_SxW, state.count_S), (rewards_B, slots_B))
+  # The global window is a ring too: positions count, count + 1, ... mod G;
+  # with more rewards than G in one batch the last G win.
+  positions_B = (state.global_count + jnp.arange(batch)) % global_window
+  keep_B = jnp.arange(batch) >= batch - global_window
+  global_history_G = state.global_history_G.at[
+      jnp.where(keep_B, positions_B, global_window)].set(rewards_B,
+                                                         mode='drop')
+  new_state = RunningMeanState(history_SxW, count_S, global_history_G,
+                               state.global_count + batch)
+  return rewards_B - baseline_B, new_state
 
 
 def broadcast_to_actions(advantages, action_mask):

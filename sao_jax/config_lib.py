@@ -27,6 +27,7 @@ from ml_collections import config_flags
 
 from sao_jax import kernels
 from sao_jax import losses
+from sao_jax import objectives
 from sao_jax import sharding
 from sao_jax.rollout.environments import registry
 
@@ -44,6 +45,7 @@ ALGORITHMS = {
 ESTIMATORS = ('skip_observation_gae', 'grpo', 'dr_grpo', 'running_mean')
 POLICY_LOSSES = ('dis', 'ppo')
 RUNNING_MEAN_SCOPES = ('prompt', 'global')
+ADVANTAGE_VALUES = ('pre_update', 'post_update')
 DTYPES = ('float32', 'bfloat16')
 # JetStream 0.2.2's prefill padding lengths (its engine contract requires
 # max_prefill_length to be one of them); kept here so that validating a config
@@ -159,13 +161,19 @@ def validate(config: ml_collections.ConfigDict,
     problems.append(f'config.policy_loss.dual_clip={dual_clip} must be > 1'
                     ' (or 0 to disable it)')
   check.choice('policy_loss.aggregation', losses.AGGREGATIONS)
-  check.non_negative('policy_loss.kl_coef')
+  check.choice('policy_loss.old_logprobs', tuple(objectives.OLD_POLICIES))
+  check.positive('policy_loss.behavior_weight_cap')
+  check.non_negative('policy_loss.behavior_kl_coef')
+  check.non_negative('policy_loss.ref_kl_coef')
+  check.choice('policy_loss.ref_kl_estimator', losses.KL_ESTIMATORS)
   check.non_negative('policy_loss.entropy_coef')
 
   check.closed_interval('advantage.gamma', 0.0, 1.0)
   check.closed_interval('advantage.lam', 0.0, 1.0)
   check.positive('advantage.alpha')
+  check.choice('advantage.values_from', ADVANTAGE_VALUES)
   check.positive_int('advantage.running_mean_window')
+  check.positive_int('advantage.running_mean_global_window')
   check.positive_int('advantage.running_mean_slots')
   check.choice('advantage.running_mean_scope', RUNNING_MEAN_SCOPES)
 
@@ -199,6 +207,8 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('model.param_dtype', DTYPES)
 
   batch = check.positive_int('batch_size')
+  check.positive_int('optim.policy_epochs')
+  minibatches = check.positive_int('optim.policy_minibatches')
   microbatches = check.positive_int('optim.microbatches')
   group = check.positive_int('group_size')
   if batch and group and batch % group:
@@ -249,12 +259,12 @@ def validate(config: ml_collections.ConfigDict,
     problems.append('config.rollout.group_in_one_request needs'
                     ' config.group_size >= 2')
 
-  if batch and microbatches and group and (batch % microbatches or (
-      batch // microbatches) % group):
+  if batch and minibatches and microbatches and (
+      batch % (minibatches * microbatches)):
     problems.append(
-        f'config.batch_size={batch} must split into config.optim.microbatches='
-        f'{microbatches} equal parts of whole groups of config.group_size='
-        f'{group}')
+        f'config.batch_size={batch} must split into'
+        f' config.optim.policy_minibatches={minibatches} mini-batches of'
+        f' config.optim.microbatches={microbatches} equal micro-batches')
   mesh = {}
   try:
     mesh = sharding.mesh_shape(dict(config.mesh), num_devices)
@@ -267,13 +277,15 @@ def validate(config: ml_collections.ConfigDict,
           f'config.batch_size={batch} is not divisible by the data-parallel'
           f' size {shards} (config.mesh data x fsdp = {mesh["data"]} x'
           f' {mesh["fsdp"]})')
-    elif microbatches and batch % (shards * microbatches):
-      # Every micro-batch takes rows from every batch shard.
+    elif minibatches and microbatches and batch % (
+        shards * minibatches * microbatches):
+      # Every mini- and micro-batch takes rows from every batch shard.
+      parts = minibatches * microbatches
       problems.append(
           f'config.batch_size={batch} must split into'
-          f' config.optim.microbatches={microbatches} micro-batches of rows'
-          f' from each of the {shards} data-parallel shards (batch_size a'
-          f' multiple of {shards * microbatches})')
+          f' config.optim.policy_minibatches x config.optim.microbatches ='
+          f' {parts} parts of rows from each of the {shards} data-parallel'
+          f' shards (batch_size a multiple of {shards * parts})')
 
   if problems:
     raise ConfigError('invalid config: ' + '; '.join(problems))

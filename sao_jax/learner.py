@@ -1,12 +1,15 @@
 """The SAO learner: sharded state and the jitted update of one batch.
 
-Per batch (SAO §1): K critic updates towards Monte-Carlo returns (attention
-frozen), advantages from the updated critic by skip-observation GAE with the
-length-adaptive lambda, then one policy update with the DIS loss against the
-rollout engine's own log-probs. The paper's baselines swap the parts by name
-(config.algorithm): GRPO's group advantages, a running-mean baseline, PPO's
-clipped loss against the recomputed old policy; `advantage.skip_observations`
-=False ablates the skip (naive GAE through observation tokens).
+Per batch (SAO §1-2): the critic's values of the batch, then K critic updates
+towards Monte-Carlo returns (attention frozen); advantages by skip-observation
+GAE with the length-adaptive lambda from the values as they were before those
+updates; then the policy updates: E passes over the batch, each in M shuffled
+mini-batches, one optimizer step per mini-batch (SAO: E = M = 1) with the DIS
+loss against the rollout engine's own log-probs. The paper's baselines swap the
+parts by name (config.algorithm): GRPO's group advantages, a running-mean
+baseline, PPO's clipped loss against an old policy (`policy_loss.old_logprobs`);
+`advantage.skip_observations=False` ablates the skip (naive GAE through
+observation tokens).
 
 Sharding (pjit semantics through `jax.jit`): parameters are laid out over the
 `data x fsdp x tensor` mesh by their logical axes (`sao_jax.sharding`), the
@@ -54,7 +57,10 @@ class LearnerState(NamedTuple):
     critic_frozen: the critic's frozen parameters (possibly empty), or None.
     actor_opt, critic_opt: optimiser states (critic_opt None without critic).
     running_mean: the running-mean baseline's reward history, or None.
-    step: policy updates so far: the policy version.
+    ref_policy: the frozen initial policy of the reference-model KL
+      (`policy_loss.ref_kl_coef` > 0), or None: one more copy of the policy's
+      parameters, no optimizer state.
+    step: batches trained so far: the policy version.
     critic_step: critic updates so far (pretraining included).
   """
   policy: Any
@@ -63,6 +69,7 @@ class LearnerState(NamedTuple):
   actor_opt: Any
   critic_opt: Any
   running_mean: Any
+  ref_policy: Any
   step: jax.Array
   critic_step: jax.Array
 
@@ -86,6 +93,7 @@ class Learner:
     self.mesh = mesh
     self.rules = rules
     self.uses_critic = config_lib.ALGORITHMS[config.algorithm]['critic']
+    self.uses_ref_policy = bool(config.policy_loss.ref_kl_coef)
     self.sampling = sampling.SamplingParams(config.rollout.temperature,
                                             config.rollout.top_k,
                                             config.rollout.top_p)
@@ -110,6 +118,7 @@ class Learner:
                              ('critic', critic_params),
                              ('critic_frozen', frozen_params))
         if params is not None}
+    self._param_shardings['ref_policy'] = self._param_shardings['policy']
     abstract_params = self._params(policy_params, critic_params,
                                    frozen_params, abstract=True)
     abstract = jax.eval_shape(self._init_state, *abstract_params)
@@ -136,6 +145,10 @@ class Learner:
         self._critic_only_step,
         in_shardings=(self.state_shardings, self._batch_shardings()),
         out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+    # After value pretraining: RL's critic warm-up starts at RL step 0.
+    self.reset_critic_optimizer = jax.jit(
+        self._reset_critic_optimizer, in_shardings=(self.state_shardings,),
+        out_shardings=self.state_shardings, donate_argnums=(0,))
 
   # -- state ------------------------------------------------------------------
 
@@ -160,17 +173,26 @@ class Learner:
     cfg = self.config
     running_mean = None
     if cfg.advantage.estimator == 'running_mean':
-      slots = (1 if cfg.advantage.running_mean_scope == 'global'
-               else cfg.advantage.running_mean_slots)
+      per_question = cfg.advantage.running_mean_scope == 'prompt'
       running_mean = advantages.running_mean_init(
-          slots, cfg.advantage.running_mean_window)
+          cfg.advantage.running_mean_slots if per_question else 1,
+          cfg.advantage.running_mean_window if per_question else 1,
+          cfg.advantage.running_mean_global_window)
     return LearnerState(
         policy=policy, critic=critic, critic_frozen=frozen,
         actor_opt=self._sharded_opt_state(self.actor_tx, policy, 'policy'),
         critic_opt=(None if critic is None else
                     self._sharded_opt_state(self.critic_tx, critic, 'critic')),
         running_mean=running_mean,
+        # A copy, not the same buffers: the state is donated to every step.
+        ref_policy=(jax.tree.map(jnp.copy, policy) if self.uses_ref_policy
+                    else None),
         step=jnp.zeros((), jnp.int32), critic_step=jnp.zeros((), jnp.int32))
+
+  def _reset_critic_optimizer(self, state: LearnerState) -> LearnerState:
+    """The critic's optimizer as new: its warm-up starts again from 0."""
+    return state._replace(critic_opt=self._sharded_opt_state(
+        self.critic_tx, state.critic, 'critic'))
 
   def _sharded_opt_state(self, tx, params, name):
     """`tx.init(params)` with every moment sharded like its parameter.
@@ -225,18 +247,22 @@ class Learner:
 
   # -- steps -------------------------------------------------------------------
 
-  def _critic_updates(self, state: LearnerState, batch, steps: int):
-    """`steps` critic updates towards fixed returns; returns state, metrics."""
+  def _critic_updates(self, state: LearnerState, batch, steps: int,
+                      values_before=None):
+    """`steps` critic updates towards fixed returns; returns state, metrics.
+
+    `values_before`: the critic's values of the batch before the updates, if
+    the caller has them (they are the GAE bootstrap of the returns).
+    """
     cfg = self.config
-    critic_model = nnx.merge(self._critic_def, state.critic,
-                             state.critic_frozen)
-    if cfg.critic.lam == 1.0 and cfg.advantage.gamma == 1.0 and not (
-        cfg.critic.value_clip):
+    if values_before is None and cfg.critic.lam == 1.0 and (
+        cfg.advantage.gamma == 1.0) and not cfg.critic.value_clip:
       # Monte-Carlo returns (SAO's lambda_critic = 1) do not depend on V:
       # skip a forward pass of the critic.
       values_before = jnp.zeros(batch['rewards'].shape, _F32)
-    else:
-      values_before = objectives.critic_values(critic_model, batch)
+    elif values_before is None:
+      values_before = objectives.critic_values(self.critic_model(state),
+                                               batch)
     lam_critic = jnp.full(batch['reward'].shape, cfg.critic.lam, _F32)
     _, returns = objectives.gae(cfg, batch, values_before, lam_critic,
                                  self.mesh)
@@ -285,12 +311,15 @@ class Learner:
     metrics = {}
     running_mean = state.running_mean
     if self.uses_critic:
+      values_before = objectives.critic_values(self.critic_model(state), batch)
       state, critic_metrics = self._critic_updates(
-          state, batch, cfg.critic.steps_per_policy_step)
+          state, batch, cfg.critic.steps_per_policy_step, values_before)
       metrics.update(critic_metrics)
-      critic_model = nnx.merge(self._critic_def, state.critic,
-                               state.critic_frozen)
-      values = objectives.critic_values(critic_model, batch)
+      # Pre-update values by default (verl's order): after K updates on this
+      # very batch the baseline has regressed onto each trajectory's own
+      # return, and A = R - V shrinks towards 0.
+      values = (values_before if cfg.advantage.values_from == 'pre_update'
+                else objectives.critic_values(self.critic_model(state), batch))
       adv, _ = objectives.gae(cfg, batch, values,
                               objectives.policy_lambda(cfg, batch), self.mesh)
     else:
@@ -304,42 +333,97 @@ class Learner:
     metrics['advantage/mean'] = jnp.sum(jnp.where(mask, adv, 0.0)) / count
     metrics['advantage/abs_mean'] = jnp.sum(jnp.where(mask, jnp.abs(adv),
                                                       0.0)) / count
-    old_logp = None
-    if cfg.policy_loss.name == 'ppo':
-      old_logp, _ = objectives.policy_logprobs(
-          nnx.merge(self._policy_def, state.policy), batch, self.sampling)
-      old_logp = jax.lax.stop_gradient(old_logp)
-    totals = objectives.batch_totals(batch['action_mask'])
-    with_entropy = bool(cfg.policy_loss.entropy_coef)
+    # Everything the updates treat as constants, computed once per batch.
+    data = dict(batch, advantages=adv)
+    if objectives.needs_proximal_logprobs(cfg):
+      data['prox_logp'] = jax.lax.stop_gradient(objectives.policy_logprobs(
+          self.policy_model(state), batch, self.sampling)[0])
+    if self.uses_ref_policy:
+      data['ref_logp'] = jax.lax.stop_gradient(objectives.policy_logprobs(
+          nnx.merge(self._policy_def, state.ref_policy), batch,
+          self.sampling)[0])
+    policy, actor_opt, policy_metrics = self._policy_updates(state, data)
+    metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
+    metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
+    state = state._replace(policy=policy, actor_opt=actor_opt,
+                           running_mean=running_mean, step=state.step + 1)
+    return state, metrics
 
-    def loss_fn(params, micro):
+  def _policy_updates(self, state: LearnerState, data):
+    """E passes of M shuffled mini-batches, one optimizer step each (SAO §2).
+
+    Mini-batch m of pass e holds rows `perm_e[m::M]` of the batch, where
+    `perm_e` is `minibatch_permutation(seed, version, e, B)` (no shuffle when
+    M = 1); strided so that, like micro-batches, each takes the same number of
+    rows from every batch shard. Every step's loss is its mini-batch's own
+    mean (as verl and OpenRLHF do); micro-batches accumulate inside a step.
+
+    Returns:
+      `(policy, actor_opt, metrics)`: metrics are means over the steps, except
+      `ratio_min` / `ratio_max` (extremes over the steps), `loss_first` (the
+      first step's loss, before the policy moved) and `optimizer_steps`.
+    """
+    cfg = self.config
+    epochs, minibatches = cfg.optim.policy_epochs, cfg.optim.policy_minibatches
+    with_entropy = bool(cfg.policy_loss.entropy_coef)
+    num_rows = data['action_mask'].shape[0]
+
+    def loss_fn(params, micro, totals):
       model = nnx.merge(self._policy_def, params)
       logp, entropy = objectives.policy_logprobs(model, micro, self.sampling,
                                                  with_entropy)
       loss, loss_metrics = objectives.policy_loss(
-          cfg, logp, micro, micro['advantages'], micro.get('old_logp'),
-          entropy, self.mesh)
+          cfg, logp, micro, micro['advantages'], micro.get('prox_logp'),
+          entropy, micro.get('ref_logp'), self.mesh)
       weight = objectives.microbatch_weight(micro['action_mask'], totals,
                                             cfg.policy_loss.aggregation)
       return loss * weight, dict(loss_metrics, loss=loss)
 
-    data = dict(batch, advantages=adv)
-    if old_logp is not None:
-      data['old_logp'] = old_logp
-    grads, policy_metrics = _accumulate(loss_fn, state.policy, data,
-                                        cfg.optim.microbatches,
-                                        self._param_shardings['policy'])
-    updates, actor_opt = self.actor_tx.update(grads, state.actor_opt,
-                                              state.policy)
-    policy = optax.apply_updates(state.policy, updates)
-    metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
-    metrics['policy/grad_norm'] = optax.global_norm(grads)
-    metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
-    metrics['policy/learning_rate'] = optimizers.schedule(cfg.optim.actor)(
-        state.step)
-    state = state._replace(policy=policy, actor_opt=actor_opt,
-                           running_mean=running_mean, step=state.step + 1)
-    return state, metrics
+    def minibatch(update):
+      if minibatches == 1:
+        return data
+      perm = minibatch_permutation(cfg.seed, state.step, update // minibatches,
+                                   num_rows)
+      rows = perm.reshape(num_rows // minibatches, minibatches)[
+          :, update % minibatches]
+      return jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              jnp.take(x, rows, axis=0),
+              self.batch_sharding if x.ndim == 2 else self.row_sharding),
+          data)
+
+    def one_update(carry, update):
+      params, opt_state = carry
+      micro_data = minibatch(update)
+      totals = objectives.batch_totals(micro_data['action_mask'])
+      grads, step_metrics = _accumulate(
+          lambda p, m: loss_fn(p, m, totals), params, micro_data,
+          cfg.optim.microbatches, self._param_shardings['policy'])
+      updates, opt_state = self.actor_tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return (params, opt_state), dict(step_metrics,
+                                       grad_norm=optax.global_norm(grads))
+
+    steps = epochs * minibatches
+    (policy, actor_opt), per_step = jax.lax.scan(
+        one_update, (state.policy, state.actor_opt), jnp.arange(steps))
+    metrics = {}
+    for name, values in per_step.items():
+      reduce = {'ratio_min': jnp.min, 'ratio_max': jnp.max}.get(name, jnp.mean)
+      metrics[name] = reduce(values)
+    metrics['loss_first'] = per_step['loss'][0]
+    metrics['optimizer_steps'] = jnp.asarray(steps, _F32)
+    # Warm-up counts optimizer steps: the rate of the batch's last step.
+    metrics['learning_rate'] = optimizers.schedule(cfg.optim.actor)(
+        (state.step + 1) * steps - 1)
+    return policy, actor_opt, metrics
+
+
+def minibatch_permutation(seed: int, version, epoch, num_rows: int):
+  """The row order of one pass over a batch: fixed by seed, version, pass."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), version),
+                           epoch)
+  return jax.random.permutation(key, num_rows)
 
 
 def _accumulate(loss_fn, params, data, microbatches: int, shardings):

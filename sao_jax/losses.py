@@ -110,12 +110,14 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
 
 
 def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
-                    dual_clip=None, aggregation='token_mean'):
+                    dual_clip=None, aggregation='token_mean',
+                    token_weights=None):
   """PPO's clipped surrogate with decoupled (clip-higher) bounds and dual clip.
 
     ratio_t = exp(logp_t - old_logp_t)
     l_t     = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     l_t     = min(l_t, -A_t * c)  where A_t < 0            (dual clip, if c set)
+    l_t     = w_t * l_t                            (token weights, if given)
 
   Unlike DIS, the gradient survives outside the band whenever the unclipped
   term is the larger one (A > 0 with r < 1 - eps_low, A < 0 with r > 1 + eps_high).
@@ -131,6 +133,8 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
     dual_clip: c > 1 bounds the loss of negative-advantage tokens at -c * A;
       None disables it.
     aggregation: one of `AGGREGATIONS`.
+    token_weights: float `[B, T]` constant weights w_t of the per-token terms
+      (decoupled PPO's truncated behaviour importance weight), or None.
 
   Returns:
     `(loss, metrics)` with `num_tokens`, `clip_frac` (tokens whose clipped term
@@ -160,6 +164,11 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
     loss_BxT = jnp.where(dual_active_BxT, bound_BxT, loss_BxT)
   else:
     dual_active_BxT = jnp.zeros_like(mask_BxT)
+  if token_weights is not None:
+    _, (weights_BxT,) = _token_inputs(where, mask, token_weights=token_weights)
+    # `where`: a zero weight must silence an overflowed term, not make NaN.
+    loss_BxT = jnp.where(weights_BxT != 0,
+                         jax.lax.stop_gradient(weights_BxT) * loss_BxT, 0.0)
   loss = aggregate(loss_BxT, mask_BxT, aggregation)
 
   metrics = _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
@@ -167,6 +176,76 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   metrics['clip_frac'] = jnp.sum(clip_active_BxT) / count
   metrics['dual_clip_frac'] = jnp.sum(dual_active_BxT) / count
   return loss, metrics
+
+
+def truncated_behavior_weights(prox_logp, behavior_logp, mask, cap):
+  """Decoupled PPO's behaviour weight `min(pi_prox / mu, C)` per token.
+
+  The clip of decoupled PPO is taken against a proximal policy pi_prox (the
+  weights at the start of the batch); the importance weight
+  `pi_prox(a_t) / mu(a_t)` corrects for the tokens having been sampled by the
+  rollout engine's (stale) policy mu, truncated at C for bounded variance.
+
+  Args:
+    prox_logp: float `[B, T]` log pi_prox, recomputed by the learner.
+    behavior_logp: float `[B, T]` mu_t, recorded by the rollout engine.
+    mask: bool or 0/1 `[B, T]`.
+    cap: the truncation C (> 0).
+
+  Returns:
+    float32 `[B, T]` weights, 0 off the mask (constants: no gradient).
+
+  References:
+    Fu et al., "AReaL", arXiv 2505.24298, eq. 5 (decoupled PPO); Yao et al.,
+    "Your efficient RL framework secretly brings you off-policy RL training"
+    (truncated importance sampling), 2025.
+  """
+  mask_BxT, (prox_BxT, mu_BxT) = _token_inputs(
+      'truncated_behavior_weights', mask, prox_logp=prox_logp,
+      behavior_logp=behavior_logp)
+  weights_BxT = jnp.minimum(jnp.exp(prox_BxT - mu_BxT), cap)
+  return jax.lax.stop_gradient(jnp.where(mask_BxT, weights_BxT, 0.0))
+
+
+KL_ESTIMATORS = ('k1', 'k3')
+
+
+def reference_kl(logp, ref_logp, mask, estimator='k3',
+                 aggregation='token_mean'):
+  """A differentiable estimate of KL(pi_theta || pi_ref) on the sampled tokens.
+
+  With `log r_t = ref_logp_t - logp_t`:
+    k1: `-log r_t` (the plain log-ratio; its gradient is `grad logp_t`);
+    k3: `r_t - 1 - log r_t` (non-negative, lower variance; GRPO's penalty,
+        verl's `low_var_kl`).
+
+  Args:
+    logp: float `[B, T]` log pi_theta(a_t | s_t).
+    ref_logp: float `[B, T]` log pi_ref(a_t | s_t) of the frozen initial policy
+      (a constant).
+    mask: bool or 0/1 `[B, T]`.
+    estimator: one of `KL_ESTIMATORS`.
+    aggregation: one of `AGGREGATIONS`.
+
+  Returns:
+    float32 scalar.
+
+  References:
+    Shao et al., "DeepSeekMath", arXiv 2402.03300, eq. 4 (k3 in GRPO);
+    Schulman, "Approximating KL divergence", 2020.
+  """
+  where = 'reference_kl'
+  mask_BxT, (logp_BxT, ref_BxT) = _token_inputs(where, mask, logp=logp,
+                                                ref_logp=ref_logp)
+  log_r_BxT = jax.lax.stop_gradient(ref_BxT) - logp_BxT
+  if estimator == 'k1':
+    kl_BxT = -log_r_BxT
+  elif estimator == 'k3':
+    kl_BxT = jnp.exp(log_r_BxT) - 1.0 - log_r_BxT
+  else:
+    raise ValueError(f'{where}: unknown estimator {estimator!r}; expected one'
+                     f' of {KL_ESTIMATORS}')
+  return aggregate(kl_BxT, mask_BxT, aggregation)
 
 
 def value_loss(values, returns, mask, old_values=None, clip_eps=None,
@@ -187,7 +266,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
 
   Returns:
     `(loss, metrics)` with `num_tokens`, `value_mean`, `return_mean`,
-    `explained_variance`, `value_clip_frac`.
+    `explained_variance`, `r_squared`, `value_clip_frac`.
   """
   where = 'value_loss'
   inputs = dict(values=values, returns=returns)
@@ -217,6 +296,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
       'return_mean': jnp.sum(returns_BxT) / count,
       'explained_variance': explained_variance(values_BxT, returns_BxT,
                                                mask_BxT),
+      'r_squared': r_squared(values_BxT, returns_BxT, mask_BxT),
       'value_clip_frac': jnp.sum(clip_active_BxT) / count,
   }
   return loss, jax.lax.stop_gradient(metrics)
@@ -248,6 +328,23 @@ def explained_variance(values, returns, mask):
   var_returns = masked_var(returns_BxT)
   ev = 1.0 - masked_var(returns_BxT - values_BxT) / var_returns
   return jnp.where(var_returns > 0, ev, jnp.nan)
+
+
+def r_squared(values, returns, mask):
+  """`1 - E[(R - V)^2] / Var[R]` over the masked-in tokens.
+
+  Unlike `explained_variance`, a constant offset counts against the critic:
+  a critic that has not yet learned the mean return scores below 0 here, and
+  the two agree once it is unbiased. NaN when the returns have no variance.
+  """
+  mask_BxT, (values_BxT, returns_BxT) = _token_inputs(
+      'r_squared', mask, values=values, returns=returns)
+  count = jnp.maximum(jnp.sum(mask_BxT), 1)
+  mean = jnp.sum(returns_BxT) / count
+  var_returns = jnp.sum(jnp.where(mask_BxT, (returns_BxT - mean) ** 2,
+                                  0.0)) / count
+  mse = jnp.sum((returns_BxT - values_BxT) ** 2) / count
+  return jnp.where(var_returns > 0, 1.0 - mse / var_returns, jnp.nan)
 
 
 def check_token_inputs(where, mask, **arrays):

@@ -116,9 +116,47 @@ def trajectory_advantages(config, batch, running_mean_state=None):
           running_mean_state)
 
 
-def policy_loss(config, logp_BxT, batch, adv_BxT, old_logp_BxT=None,
-                entropy_BxT=None, mesh=None):
+# How the clipped (PPO) losses get their old policy, by
+# `policy_loss.old_logprobs`: name -> (needs the recomputed proximal
+# log-probs, function(prox_logp_BxT, batch, config) -> (old_logp_BxT,
+# token_weights_BxT or None)). DIS ignores it: its ratio is always against mu.
+#   recompute: the weights at the start of the batch (PPO, verl and OpenRLHF's
+#     default); off-policy lag between the engine and the learner is ignored.
+#   behavior: the engine's own log-probs mu (verl's rollout-correction
+#     "bypass" mode): the clip bounds the whole drift from the sampler.
+#   decoupled: AReaL's decoupled PPO: clip against the proximal policy, each
+#     token weighted by min(pi_prox / mu, C) (`behavior_weight_cap`).
+OLD_POLICIES = {
+    'recompute': (True, lambda prox, batch, cfg: (prox, None)),
+    'behavior': (False, lambda prox, batch, cfg: (batch['behavior_logprobs'],
+                                                  None)),
+    'decoupled': (True, lambda prox, batch, cfg: (
+        prox, losses.truncated_behavior_weights(
+            prox, batch['behavior_logprobs'], batch['action_mask'],
+            cfg.behavior_weight_cap))),
+}
+
+
+def needs_proximal_logprobs(config) -> bool:
+  """Whether the policy loss reads log-probs recomputed before the updates."""
+  cfg = config.policy_loss
+  return cfg.name == 'ppo' and OLD_POLICIES[cfg.old_logprobs][0]
+
+
+def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
+                entropy_BxT=None, ref_logp_BxT=None, mesh=None):
   """The configured policy loss (DIS or PPO) plus optional KL / entropy terms.
+
+  Args:
+    config: the sao_jax config.
+    logp_BxT: log pi_theta of the tokens under the parameters being updated.
+    batch: the (mini-)batch's arrays.
+    adv_BxT: A_t.
+    prox_logp_BxT: log-probs under the weights at the start of the batch
+      (PPO's old policy in the `recompute` and `decoupled` modes).
+    entropy_BxT: per-token entropy (with `entropy_coef`).
+    ref_logp_BxT: log-probs of the frozen initial policy (with `ref_kl_coef`).
+    mesh: the learner's mesh (Pallas kernels run per batch shard).
 
   Returns:
     `(loss, metrics)`.
@@ -131,16 +169,30 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, old_logp_BxT=None,
         cfg.eps_high, cfg.aggregation, mesh=mesh,
         implementation=config.kernels.implementation)
   else:
+    old_BxT, weights_BxT = OLD_POLICIES[cfg.old_logprobs][1](
+        prox_logp_BxT, batch, cfg)
     loss, metrics = losses.ppo_policy_loss(
-        logp_BxT, old_logp_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
-        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation)
-  if cfg.kl_coef:
-    # k3 estimate of KL(mu || pi) on the sampled tokens, differentiable in pi.
+        logp_BxT, old_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
+        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
+        token_weights=weights_BxT)
+    if weights_BxT is not None:
+      count = jnp.maximum(jnp.sum(mask), 1)
+      metrics['behavior_weight_mean'] = jnp.sum(weights_BxT) / count
+      metrics['behavior_weight_capped_frac'] = jnp.sum(
+          (weights_BxT >= cfg.behavior_weight_cap) & (mask > 0)) / count
+  if cfg.behavior_kl_coef:
+    # k3 estimate of KL(mu || pi) on the sampled tokens, differentiable in pi:
+    # a pull towards the rollout engine's policy, not the reference model.
     log_ratio = jnp.where(mask, logp_BxT - batch['behavior_logprobs'], 0.0)
     k3 = jnp.exp(log_ratio) - 1.0 - log_ratio
     kl = losses.aggregate(k3, mask, cfg.aggregation)
-    loss = loss + cfg.kl_coef * kl
-    metrics['kl_penalty'] = kl
+    loss = loss + cfg.behavior_kl_coef * kl
+    metrics['behavior_kl_penalty'] = kl
+  if cfg.ref_kl_coef:
+    kl = losses.reference_kl(logp_BxT, ref_logp_BxT, mask,
+                             cfg.ref_kl_estimator, cfg.aggregation)
+    loss = loss + cfg.ref_kl_coef * kl
+    metrics['ref_kl'] = kl
   if cfg.entropy_coef:
     entropy = losses.aggregate(entropy_BxT, mask, cfg.aggregation)
     loss = loss - cfg.entropy_coef * entropy

@@ -1,7 +1,8 @@
 r"""Serves the policy with JetStream: `python -m sao_jax.serve`.
 
   SAO_ADMIN_SECRET=... python -m sao_jax.serve --config=configs/default.py \
-      --port=9000 [--host=0.0.0.0] [--config.rollout.max_concurrent_decodes=16]
+      --port=9000 [--host=0.0.0.0] [--server_index=0] [--restart=0] \
+      [--config.rollout.max_concurrent_decodes=16]
 
 Starts a JetStream gRPC server on `--host:--port` (loopback by default) with
 our engine for `config.model.source`, plus the admin service the learner uses
@@ -9,6 +10,11 @@ to push weights (authenticated by the secret in $SAO_ADMIN_SECRET or
 `--config.rollout.admin_secret_file`). Prints one JSON line
 `{"event": "ready", "port": P, "pid": N}` on stdout when it accepts requests
 (`--port=0` picks a free port), and stops gracefully on SIGTERM or SIGINT.
+
+The sampling key is `config.seed` with `--server_index` (this server's
+position among the run's servers) and `--restart` (how often the run was
+restarted) folded in: the servers of one run, and a run resumed from a
+checkpoint, draw different random streams.
 """
 
 import json
@@ -35,6 +41,12 @@ _WEIGHTS = flags.DEFINE_string(
     'weights', None, 'orbax policy checkpoint to serve instead of the model'
     " source's weights (written by the learner)")
 _VERSION = flags.DEFINE_integer('version', 0, 'policy version of the weights')
+_SERVER_INDEX = flags.DEFINE_integer(
+    'server_index', 0, "this server's position among the run's servers"
+    ' (folded into the sampling key)', lower_bound=0)
+_RESTART = flags.DEFINE_integer(
+    'restart', 0, 'how many times the run was restarted (folded into the'
+    ' sampling key)', lower_bound=0)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -45,7 +57,9 @@ def main(argv: Sequence[str]) -> None:
   config = _CONFIG.value
   config_lib.validate(config)
   secret = weight_sync.read_secret(config.rollout.admin_secret_file or None)
-  engine = engine_lib.build_engine(config, version=_VERSION.value)
+  engine = engine_lib.build_engine(config, version=_VERSION.value,
+                                   server_index=_SERVER_INDEX.value,
+                                   restart=_RESTART.value)
   if _WEIGHTS.value:
     engine.weights.swap(
         weight_sync.load_policy(_WEIGHTS.value, engine.abstract_state()),

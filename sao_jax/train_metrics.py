@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -79,12 +80,26 @@ class StepTimer:
     return out
 
 
-class PromptSlots:
-  """Dense slot ids of prompts for the per-prompt running-mean baseline.
+def question_digest(tokens_T, action_mask_T) -> str:
+  """A stable name of a trajectory's question: its prompt tokens, hashed.
 
-  Prompts get slots in order of first appearance; past `capacity` distinct
-  prompts, new ones share slots by hash (counted), a bounded memory that
-  degrades gracefully for huge prompt sets.
+  The prompt is every token before the first action. The digest is the same in
+  every process and after a resume (unlike Python's salted `hash`), and the
+  same question under two task indices gets the same name.
+  """
+  mask_T = np.asarray(action_mask_T, bool)
+  first = int(np.argmax(mask_T)) if mask_T.any() else len(mask_T)
+  prompt = np.asarray(tokens_T[:first], '<i4').tobytes()
+  return hashlib.blake2b(prompt, digest_size=8).hexdigest()
+
+
+class PromptSlots:
+  """Dense slot ids of questions for the per-question running-mean baseline.
+
+  Questions (`question_digest`) get slots in order of first appearance; past
+  `capacity` distinct questions, new ones share slots chosen by their digest
+  (counted): a bounded memory that degrades gracefully for huge question sets,
+  and the same choice in every process.
   """
 
   def __init__(self, capacity: int):
@@ -92,18 +107,23 @@ class PromptSlots:
     self._slots: dict[str, int] = {}
     self.shared = 0
 
-  def ids(self, prompt_ids: Iterable[str]) -> np.ndarray:
+  def ids(self, digests: Iterable[str]) -> np.ndarray:
     out = []
-    for prompt in prompt_ids:
-      slot = self._slots.get(prompt)
+    for digest in digests:
+      slot = self._slots.get(digest)
       if slot is None:
         if len(self._slots) < self.capacity:
-          slot = self._slots[prompt] = len(self._slots)
+          slot = self._slots[digest] = len(self._slots)
         else:
-          slot = hash(prompt) % self.capacity
+          slot = int(digest, 16) % self.capacity
           self.shared += 1
       out.append(slot)
     return np.asarray(out, np.int32)
+
+  def batch_ids(self, tokens_BxT, action_mask_BxT) -> np.ndarray:
+    """The slot of each row's question."""
+    return self.ids(question_digest(t, m)
+                    for t, m in zip(tokens_BxT, action_mask_BxT))
 
   def state_dict(self) -> dict[str, Any]:
     return {'slots': dict(self._slots), 'shared': self.shared}
@@ -111,3 +131,27 @@ class PromptSlots:
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     self._slots = {str(k): int(v) for k, v in state['slots'].items()}
     self.shared = int(state.get('shared', 0))
+
+
+class Plateau:
+  """Stops when a score has not gained `min_delta` for `patience` updates.
+
+  Value pretraining's rule. Non-finite scores (explained variance of a batch
+  whose returns are all equal is undefined) are not counted either way.
+  """
+
+  def __init__(self, patience: int, min_delta: float):
+    self.patience = patience
+    self.min_delta = min_delta
+    self.best = -np.inf
+    self.since_best = 0
+
+  def update(self, score: float) -> bool:
+    """Records one score; True when the rule says stop."""
+    if not np.isfinite(score):
+      return False
+    if score > self.best + self.min_delta:
+      self.best, self.since_best = score, 0
+    else:
+      self.since_best += 1
+    return self.since_best >= self.patience

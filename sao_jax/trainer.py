@@ -63,7 +63,7 @@ class _Rollouts:
   """Servers, queue and workers of this process, and how weights reach them."""
 
   def __init__(self, config, workdir, tok, env, ledger, vocab_size,
-               batch_size, version):
+               batch_size, version, restart):
     r = config.rollout
     self.secret = (weight_sync.read_secret(r.admin_secret_file or None)
                    if r.server_addresses or r.admin_secret_file
@@ -77,7 +77,7 @@ class _Rollouts:
       config_lib.write_config_file(config, config_path)
       self.servers = local_servers.start(
           config_path, count=r.num_servers, secret=self.secret,
-          log_dir=os.path.join(workdir, 'server_logs'))
+          log_dir=os.path.join(workdir, 'server_logs'), restart=restart)
       self.addresses = [s.address for s in self.servers]
     self.publisher = weight_sync.WeightPublisher(self.addresses, self.secret)
     self.queue = queue_lib.RolloutQueue(
@@ -159,9 +159,12 @@ def run(config, workdir: str) -> RunResult:
     slots.load_state_dict(meta['prompt_slots'])
     _log.info('resumed from step %d', int(learner.state.step))
   step = int(learner.state.step)
+  # Each start of a run samples from its own random streams (servers fold it
+  # into their seed), so a resume does not replay the first run's samples.
+  restart = int(meta.get('restart', -1)) + 1
   batch_size = config.batch_size // jax.process_count()
   rollouts = _Rollouts(config, workdir, tok, env, ledger,
-                       model.config.vocab_size, batch_size, step)
+                       model.config.vocab_size, batch_size, step, restart)
   if meta.get('queue'):
     rollouts.queue.load_state_dict(meta['queue'])
   progress = progress_lib.Progress(config.total_steps, initial=step,
@@ -191,7 +194,7 @@ def run(config, workdir: str) -> RunResult:
       with tracker.phase('train'):
         learner.state, device_metrics = learner.train_step(
             learner.state, learner.device_batch(
-                batch, slots.ids(batch.prompt_ids)))
+                batch, slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)))
         jax.block_until_ready(learner.state.step)
       task_indices = sorted({t.info['task_index'] for t in trajectories})
       ledger.mark_done(task_indices)
@@ -224,7 +227,7 @@ def run(config, workdir: str) -> RunResult:
         _evaluate(learner, tok, env, held_out, config, logger, step, progress)
       stopped = stop_flag.should_stop()
       ckpt.save(step, learner.state, _metadata(
-          config, ledger, slots, rollouts, before), force=stopped)
+          config, ledger, slots, rollouts, before, restart), force=stopped)
       if stopped:
         progress.print_line(f'stop requested: saved step {step}, exiting')
         break
@@ -232,7 +235,7 @@ def run(config, workdir: str) -> RunResult:
       after = _evaluate(learner, tok, env, held_out, config, logger, step,
                         progress)
       ckpt.save(step, learner.state, _metadata(
-          config, ledger, slots, rollouts, before), force=True)
+          config, ledger, slots, rollouts, before, restart), force=True)
   finally:
     ckpt.wait()
     progress.close()
@@ -252,8 +255,10 @@ def run(config, workdir: str) -> RunResult:
   return RunResult(step, before, after, plot_path, stopped)
 
 
-def _metadata(config, ledger, slots, rollouts, before) -> dict[str, Any]:
+def _metadata(config, ledger, slots, rollouts, before,
+              restart) -> dict[str, Any]:
   return {
+      'restart': restart,
       'ledger': ledger.state_dict(),
       'prompt_slots': slots.state_dict(),
       'queue': rollouts.queue.state_dict(),
@@ -291,32 +296,37 @@ def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
 def _pretrain_critic(learner, rollouts, config, logger, slots, ledger):
   """Value pretraining (SAO §1.3): regress the initial policy's returns.
 
-  Batches come from the frozen initial policy (version 0: nothing is pushed);
-  stops at `critic.pretrain_steps` or when explained variance has not
-  improved by `pretrain_min_delta` for `pretrain_patience` steps.
+  Batches come from the frozen initial policy (version 0: nothing is pushed).
+  Each batch's R^2 (`losses.r_squared`: explained variance that also counts
+  the critic's offset from the mean return) is measured before the critic
+  trains on it, a held-out score; training stops by `train_metrics.Plateau`
+  or after `critic.pretrain_steps` batches. The critic's optimizer is then reset, so
+  that RL's critic warm-up starts at RL step 0.
   """
   cfg = config.critic
-  best, since_best = -np.inf, 0
+  plateau = train_metrics.Plateau(cfg.pretrain_patience, cfg.pretrain_min_delta)
   for i in range(cfg.pretrain_steps):
     trajectories = rollouts.queue.get_batch_blocking(
         timeout=config.rollout.get_batch_timeout_s)
     batch = batching.assemble_batch(trajectories,
                                     config.rollout.max_sequence_length, 0)
     learner.state, m = learner.critic_step(
-        learner.state, learner.device_batch(batch,
-                                            slots.ids(batch.prompt_ids)))
+        learner.state, learner.device_batch(
+            batch, slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)))
     # The policy does not move: keep the queue's staleness clock at 0.
     rollouts.queue.set_learner_version(0)
     ledger.mark_done({t.info['task_index'] for t in trajectories})
     m = train_metrics.host_metrics(m)
-    logger.write(i, train_metrics.prefixed('pretrain', m))
-    ev = m.get('critic/explained_variance', float('nan'))
-    if np.isfinite(ev) and ev > best + cfg.pretrain_min_delta:
-      best, since_best = ev, 0
-    else:
-      since_best += 1
-    if since_best >= cfg.pretrain_patience:
+    stop = plateau.update(m.get('critic/r_squared', float('nan')))
+    m = train_metrics.prefixed('pretrain', m)
+    if np.isfinite(plateau.best):
+      m['pretrain/best_r_squared'] = plateau.best
+    logger.write(i, m)
+    if stop:
+      _log.info('value pretraining: R^2 plateaued at %.3f'
+                ' after %d batches', plateau.best, i + 1)
       break
+  learner.state = learner.reset_critic_optimizer(learner.state)
 
 
 def _save_replies(path, tasks, result) -> None:

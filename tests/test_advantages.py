@@ -271,32 +271,49 @@ def test_grpo_advantages_match_numpy():
 
 def test_running_mean_matches_deque_simulation():
   rng = np.random.default_rng(2)
-  num_slots, window = 3, 4
-  state = advantages.running_mean_init(num_slots, window)
+  num_slots, window, global_window = 3, 4, 6
+  state = advantages.running_mean_init(num_slots, window, global_window)
   step = jax.jit(advantages.running_mean_advantages)
   history = collections.defaultdict(lambda: collections.deque(maxlen=window))
+  every = collections.deque(maxlen=global_window)
   for _ in range(6):
     rewards = rng.normal(size=5).astype(np.float32)
     slots = rng.integers(0, num_slots, size=5)
     got, state = step(state, rewards, slots)
-    want = [r - (np.mean(history[s]) if history[s] else 0.0)
+    fallback = np.mean(every) if every else 0.0
+    want = [r - (np.mean(history[s]) if history[s] else fallback)
             for r, s in zip(rewards, slots)]
     for r, s in zip(rewards, slots):
       history[s].append(r)
+      every.append(r)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_running_mean_unseen_question_uses_the_global_mean():
+  state = advantages.running_mean_init(4, 2, 3)
+  adv, state = advantages.running_mean_advantages(
+      state, np.array([1., 0.]), np.array([0, 1]))
+  np.testing.assert_allclose(adv, [1, 0])  # nothing recorded: baseline 0
+  # Question 2 is new: the mean of every reward so far (0.5); question 0
+  # has its own window (1.0).
+  adv, state = advantages.running_mean_advantages(
+      state, np.array([1., 1.]), np.array([2, 0]))
+  np.testing.assert_allclose(adv, [0.5, 0.0])
+
+
 def test_running_mean_global_window():
-  state = advantages.running_mean_init(1, 3)
+  state = advantages.running_mean_init(1, 1, 3)
   adv, state = advantages.running_mean_advantages(state, np.array([1., 2.]))
   np.testing.assert_allclose(adv, [1, 2])  # empty history: baseline 0
   adv, state = advantages.running_mean_advantages(state, np.array([3., 4.]))
   np.testing.assert_allclose(adv, [1.5, 2.5])  # baseline mean(1, 2)
-  adv, _ = advantages.running_mean_advantages(state, np.array([0.]))
+  adv, state = advantages.running_mean_advantages(state, np.array([0.]))
   np.testing.assert_allclose(adv, [-3.0])  # last 3 of 1..4: mean(2, 3, 4)
-  with pytest.raises(ValueError, match='expected 1'):
-    advantages.running_mean_advantages(advantages.running_mean_init(2, 3),
-                                       np.array([1.0]))
+  # A batch longer than the window keeps its last 3 rewards.
+  _, state = advantages.running_mean_advantages(state,
+                                                np.arange(5, dtype=float))
+  adv, _ = advantages.running_mean_advantages(state, np.array([0.]))
+  np.testing.assert_allclose(adv, [-3.0])  # mean(2, 3, 4)
 
 
 def test_broadcast_and_normalize():

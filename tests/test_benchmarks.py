@@ -89,6 +89,12 @@ def test_algorithms_benchmark_quick(tmp_path, compile_cache):
   sao, grpo = result['runs']
   assert 'policy/frac_below' in sao['stability']
   assert 'policy/clip_frac' in grpo['stability']
+  # GRPO as verl runs it: 4 mini-batch steps per batch, so its ratio against
+  # the recomputed old policy moves off 1; SAO takes one step.
+  assert grpo['stability']['policy/optimizer_steps'] == 4
+  assert sao['stability']['policy/optimizer_steps'] == 1
+  assert (grpo['stability']['policy/ratio_max']
+          > grpo['stability']['policy/ratio_min'])
   assert 'critic/explained_variance' in sao['stability']
   assert 'critic/explained_variance' not in grpo['stability']
   assert result['aggregate']['sao']['runs'] == 1

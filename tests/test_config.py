@@ -181,10 +181,20 @@ def run_show_config(*args):
 
 
 def test_entry_point_applies_overrides():
+  # batch 32: GRPO's 4 mini-batches take rows from each of the 8 devices.
   proc, _ = run_show_config('--config=configs/default.py:algorithm=grpo',
-                            '--config.policy_loss.eps_low=0.1')
+                            '--config.policy_loss.eps_low=0.1',
+                            '--config.batch_size=32')
   assert proc.returncode == 0, proc.stderr
   assert 'eps_low: 0.1' in proc.stdout and 'name: ppo' in proc.stdout
+
+
+def test_minibatches_that_do_not_cover_the_devices_are_refused():
+  proc, _ = run_show_config('--config=configs/default.py:algorithm=grpo')
+  assert proc.returncode == 2
+  assert ('config.batch_size=16 must split into config.optim.policy_minibatches'
+          ' x config.optim.microbatches = 4 parts of rows from each of the 8'
+          ' data-parallel shards' in proc.stderr)
 
 
 @pytest.mark.parametrize('args, message', [

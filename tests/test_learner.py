@@ -293,3 +293,44 @@ def test_naive_gae_trains_policy_on_actions_critic_on_response(one_device):
   assert m_naive['critic/num_tokens'] == response.sum() > actions.sum()
   assert m_naive['advantage/abs_mean'] != pytest.approx(
       m_sao['advantage/abs_mean'])
+
+
+def advantages_from(learner, state, batch, config):
+  """Mean |A| of skip-observation GAE with the critic of `state`."""
+  arrays = batch_arrays(batch)
+  values = objectives.critic_values(learner.critic_model(state), arrays)
+  adv, _ = objectives.gae(config, arrays, values,
+                          objectives.policy_lambda(config, arrays))
+  return float(np.sum(np.abs(np.asarray(adv))) / batch.action_mask_BxT.sum())
+
+
+@pytest.mark.parametrize('order', ['pre_update', 'post_update'])
+def test_advantages_use_the_critic_from_before_its_updates(order):
+  config = make_config(lr=1e-2, **{'mesh.data': 1,
+                                    'advantage.values_from': order})
+  learner = make_learner(config, jax.devices()[:1])
+  batch = fake_batch(0)
+  before = jax.tree.map(np.array, learner.state)
+  learner.state, metrics = learner.train_step(learner.state,
+                                              learner.device_batch(batch))
+  pre = advantages_from(learner, before, batch, config)
+  post = advantages_from(learner, learner.state, batch, config)
+  assert abs(pre - post) > 1e-3  # the K critic updates moved the values
+  want = pre if order == 'pre_update' else post
+  np.testing.assert_allclose(metrics['advantage/abs_mean'], want, rtol=1e-5)
+
+
+def test_reference_kl_is_against_the_frozen_initial_policy():
+  config = make_config('grpo', lr=1e-2, **{
+      'mesh.data': 1, 'optim.policy_minibatches': 1,
+      'policy_loss.ref_kl_coef': 0.1})
+  learner = make_learner(config, jax.devices()[:1])
+  initial = flat(learner.state.policy)
+  np.testing.assert_equal(flat(learner.state.ref_policy), initial)
+  first, second = run(learner, [0, 1])
+  # One step from the initial weights: pi = pi_ref, the penalty is 0.
+  np.testing.assert_allclose(first['policy/ref_kl'], 0.0, atol=1e-7)
+  assert second['policy/ref_kl'] > 0
+  np.testing.assert_equal(flat(learner.state.ref_policy), initial)
+  assert make_learner(make_config('grpo', **{'mesh.data': 1}),
+                      jax.devices()[:1]).state.ref_policy is None

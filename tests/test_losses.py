@@ -215,3 +215,58 @@ def test_bf16_inputs_match_f32_reference():
                                      mask, 0.3, 5.0)
   assert loss16.dtype == jnp.float32
   np.testing.assert_allclose(loss16, loss32, rtol=1e-6)
+
+
+def test_ppo_token_weights_scale_each_term_and_its_gradient():
+  logp, old, adv, mask = random_tokens(5)
+  weights = np.where(mask, np.random.default_rng(5).uniform(0, 2, logp.shape),
+                     0).astype(np.float32)
+  loss_fn = lambda w: lambda lp: losses.ppo_policy_loss(
+      lp, old, adv, mask, 0.2, 0.28, token_weights=w)[0]
+  plain = jax.grad(loss_fn(None))(logp)
+  weighted = jax.grad(loss_fn(weights))(logp)
+  np.testing.assert_allclose(weighted, weights * plain, rtol=1e-5, atol=1e-7)
+  ratio = np.exp(logp.astype(np.float64) - old)
+  per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28))
+  np.testing.assert_allclose(
+      loss_fn(weights)(logp),
+      np.sum(weights * per_token * mask) / mask.sum(), rtol=1e-5)
+
+
+def test_truncated_behavior_weights():
+  prox, mu, _, mask = random_tokens(6, spread=1.0)
+  got = losses.truncated_behavior_weights(prox, mu, mask, 2.0)
+  want = np.where(mask, np.minimum(np.exp(prox.astype(np.float64) - mu), 2.0),
+                  0.0)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert 0 < np.mean(want[mask] == 2.0) < 1  # the cap acts on some tokens
+
+
+@pytest.mark.parametrize('estimator', ['k1', 'k3'])
+def test_reference_kl_value_and_gradient(estimator):
+  logp, ref, _, mask = random_tokens(7)
+  kl_fn = lambda lp: losses.reference_kl(lp, ref, mask, estimator)
+  log_r = ref.astype(np.float64) - logp  # log pi_ref / pi
+  per_token = -log_r if estimator == 'k1' else np.exp(log_r) - 1 - log_r
+  # d/dlogp: k1 -> 1, k3 -> 1 - pi_ref / pi
+  grad = np.ones_like(log_r) if estimator == 'k1' else 1 - np.exp(log_r)
+  n = mask.sum()
+  np.testing.assert_allclose(kl_fn(logp), np.sum(per_token * mask) / n,
+                             rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(kl_fn)(logp), grad * mask / n,
+                             rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(kl_fn(ref), 0.0, atol=1e-7)  # pi = pi_ref
+
+
+def test_r_squared_counts_the_offset_that_explained_variance_ignores():
+  rng = np.random.default_rng(8)
+  returns = rng.normal(1.0, 0.5, size=(4, 5)).astype(np.float32)
+  mask = rng.random((4, 5)) < 0.8
+  r = returns[mask]
+  offset = returns + 3.0  # perfect up to a constant
+  np.testing.assert_allclose(losses.explained_variance(offset, returns, mask),
+                             1.0, atol=1e-5)
+  np.testing.assert_allclose(losses.r_squared(offset, returns, mask),
+                             1 - 9.0 / np.var(r), rtol=1e-4)
+  np.testing.assert_allclose(losses.r_squared(returns, returns, mask), 1.0)
+  assert np.isnan(losses.r_squared(offset, np.ones_like(returns), mask))

@@ -183,6 +183,10 @@ def test_launch_plan(sandbox):
     assert '--port=9000' in server
     assert '--config=configs/llama3_8b_v5p.py' in server
     assert '--config.model.source=/mnt/sao/models/llama' in server
+  # Each server VM samples its own random stream.
+  for i, server in enumerate(servers):
+    assert f'sao-test-server-{i} ' in server
+    assert f'--server_index={i} ' in server
   ips = [c for c in plan if 'networkEndpoints[0].ipAddress' in c]
   assert len(ips) == 2
   [learner] = [c for c in plan if 'sao_jax.train' in c]

@@ -22,9 +22,11 @@ Usage: tpu_scripts/launch.sh [--env-file FILE] [--dry-run] [options]
      ~/.sao/admin_secret (mode 600) on every worker; it is never printed nor
      put on a command line.
   3. Starts `python -m sao_jax.serve` on worker 0 of each server VM, bound to
-     0.0.0.0:SERVER_PORT (--config.rollout.bind_host=0.0.0.0), and waits
-     until each prints its ready line (up to SERVER_READY_TIMEOUT_S, default
-     1800; --no-wait skips).
+     0.0.0.0:SERVER_PORT (--config.rollout.bind_host=0.0.0.0), with
+     --server_index=I for PREFIX-I (folded into its sampling key, so that
+     the servers draw different random streams), and waits until each
+     prints its ready line (up to SERVER_READY_TIMEOUT_S, default 1800;
+     --no-wait skips).
   4. Reads each server VM's internal IP and starts `python -m sao_jax.train`
      on every learner worker (--worker=all) with --config=CONFIG,
      --config.distributed.enabled=True (multi-host slices; jax discovers the
@@ -131,8 +133,11 @@ fi
 # -- servers ---------------------------------------------------------------------
 
 if [ "$do_servers" = 1 ] && [ ${#servers[@]} -gt 0 ]; then
-  server_args="-m sao_jax.serve $config_flag --port=$SERVER_PORT --config.rollout.bind_host=0.0.0.0 --config.rollout.admin_secret_file=\"$R_SECRET\"${user_overrides:+ $user_overrides}"
-  for name in "${servers[@]}"; do
+  for i in "${!servers[@]}"; do
+    name=${servers[$i]}
+    # The index keeps the servers' sampling streams apart; user overrides
+    # still come last.
+    server_args="-m sao_jax.serve $config_flag --port=$SERVER_PORT --server_index=$i --config.rollout.bind_host=0.0.0.0 --config.rollout.admin_secret_file=\"$R_SECRET\"${user_overrides:+ $user_overrides}"
     info "server $name: JetStream on 0.0.0.0:$SERVER_PORT"
     ssh_vm "$name" "$SERVER_ZONE" all "$prepare"
     distribute_secret "$name" "$SERVER_ZONE"

@@ -77,7 +77,11 @@ class EngineConfig:
     max_target_length: KV-cache length per slot: prompt plus generation.
     sampling: the sampling distribution (shared with the learner).
     stop_ids: tokens that end a sample (emitted, then the slot stops).
-    seed: sampling PRNG seed.
+    seed: sampling PRNG seed (the run's `config.seed`).
+    server_index: this server's position among the run's rollout servers,
+      folded into the sampling key so that servers draw different streams.
+    restart: how many times the run was restarted (from a checkpoint), folded
+      in too so that a resumed run does not replay the samples it drew before.
   """
   max_concurrent_decodes: int = 8
   samples_per_slot: int = 1
@@ -86,6 +90,8 @@ class EngineConfig:
   sampling: sampling.SamplingParams = sampling.SamplingParams()
   stop_ids: tuple[int, ...] = ()
   seed: int = 0
+  server_index: int = 0
+  restart: int = 0
 
   def __post_init__(self):
     if self.max_prefill_length not in PREFILL_BUCKETS:
@@ -99,6 +105,9 @@ class EngineConfig:
     if self.max_concurrent_decodes < 1 or self.samples_per_slot < 1:
       raise ValueError('max_concurrent_decodes and samples_per_slot must be'
                        ' >= 1')
+    if self.server_index < 0 or self.restart < 0:
+      raise ValueError(f'server_index={self.server_index} and restart='
+                       f'{self.restart} must be >= 0')
 
 
 class WeightsHolder:
@@ -282,7 +291,7 @@ class Engine(engine_api.Engine):
         generated=jnp.zeros((rows,), jnp.int32),
         active=jnp.zeros((rows,), bool),
         too_long=jnp.zeros((rows,), bool),
-        key=jax.random.key(cfg.seed))
+        key=sampling_key(cfg))
 
   def get_prefix_destination_sharding(self):
     return None  # interleaved mode: prefixes never move between engines
@@ -389,8 +398,19 @@ def _generate(graphdef, params, stop_ids, cache_len, state, version,
   return new, data
 
 
-def engine_config(config, tok: tokenizer_lib.Tokenizer) -> EngineConfig:
-  """The serving shape and sampling of a sao_jax config."""
+def sampling_key(config: EngineConfig) -> jax.Array:
+  """The engine's initial PRNG key: the seed, then server index and restart."""
+  key = jax.random.fold_in(jax.random.key(config.seed), config.server_index)
+  return jax.random.fold_in(key, config.restart)
+
+
+def engine_config(config, tok: tokenizer_lib.Tokenizer, server_index: int = 0,
+                  restart: int = 0) -> EngineConfig:
+  """The serving shape and sampling of a sao_jax config.
+
+  `server_index` and `restart` pick this server's sampling stream; see
+  `EngineConfig`.
+  """
   r = config.rollout
   return EngineConfig(
       max_concurrent_decodes=r.max_concurrent_decodes,
@@ -399,18 +419,26 @@ def engine_config(config, tok: tokenizer_lib.Tokenizer) -> EngineConfig:
       max_target_length=r.max_target_length,
       sampling=sampling.SamplingParams(r.temperature, r.top_k, r.top_p),
       stop_ids=tuple(tok.stop_ids),
-      seed=config.seed)
+      seed=config.seed,
+      server_index=server_index,
+      restart=restart)
 
 
 def build_engine(config, version: int = 0, model=None, tok=None,
-                 devices=None) -> Engine:
-  """An engine for `config.model.source` (or the given model and tokenizer)."""
+                 devices=None, server_index: int = 0,
+                 restart: int = 0) -> Engine:
+  """An engine for `config.model.source` (or the given model and tokenizer).
+
+  `server_index` and `restart` pick its sampling stream (`EngineConfig`).
+  """
   if model is None:
     model, tok = pretrained.from_pretrained(config.model.source,
                                             dtype=config.model.dtype,
                                             param_dtype=config.model.param_dtype)
-  return Engine(model, tok, engine_config(config, tok), version=version,
-                devices=devices)
+  return Engine(model, tok,
+                engine_config(config, tok, server_index=server_index,
+                              restart=restart),
+                version=version, devices=devices)
 
 
 def _refresh(model, version, stale_N, ds: DecodeState) -> DecodeState:

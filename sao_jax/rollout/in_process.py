@@ -25,7 +25,7 @@ from sao_jax.rollout import server as server_lib
 
 
 @contextlib.contextmanager
-def serve(config, devices=None):
+def serve(config, devices=None, server_index: int = 0, restart: int = 0):
   """Serves `config`'s model in this process while the context is open.
 
   Args:
@@ -33,6 +33,10 @@ def serve(config, devices=None):
       served. It is not modified.
     devices: the engine's devices; defaults to the first local device, which
       the learner shares.
+    server_index: this server's position among the run's servers.
+    restart: how many times the run was restarted. Both are folded into the
+      sampling key with `config.seed` (`engine.EngineConfig`), so that no two
+      servers, and no restart of a run, draw the same random stream.
 
   Yields:
     A copy of `config` with `rollout.server_addresses` and
@@ -44,7 +48,8 @@ def serve(config, devices=None):
     with os.fdopen(fd, 'w') as f:
       f.write(secret)
     engine = engine_lib.build_engine(
-        config, devices=devices or jax.local_devices()[:1])
+        config, devices=devices or jax.local_devices()[:1],
+        server_index=server_index, restart=restart)
     server = server_lib.RolloutServer(engine, port=0, secret=secret,
                                       host='127.0.0.1')
     try:

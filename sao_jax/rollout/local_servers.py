@@ -35,9 +35,17 @@ class LocalServer:
     return self.process.poll() is None
 
 
+def server_argv(config_path: str, index: int, restart: int = 0,
+                overrides: Sequence[str] = ()) -> list[str]:
+  """The command line of server `index` (its position among the servers)."""
+  return [sys.executable, '-m', 'sao_jax.serve', f'--config={config_path}',
+          '--port=0', f'--server_index={index}', f'--restart={restart}',
+          *overrides]
+
+
 def start(config_path: str, *, count: int, secret: str, log_dir: str,
           overrides: Sequence[str] = (), env: dict | None = None,
-          timeout_s: float = 600.0) -> list[LocalServer]:
+          timeout_s: float = 600.0, restart: int = 0) -> list[LocalServer]:
   """Starts `count` servers and waits until each accepts requests.
 
   The processes start together (their imports and model loads overlap); each
@@ -51,6 +59,9 @@ def start(config_path: str, *, count: int, secret: str, log_dir: str,
     overrides: extra `--config.a.b=value` flags.
     env: extra environment variables for the servers.
     timeout_s: how long a server may take to become ready.
+    restart: how many times the run was restarted; with each server's index
+      it is folded into that server's sampling key, so that no two servers,
+      and no restart of the run, draw the same random stream.
 
   Raises:
     RuntimeError: a server exited or did not become ready; the message holds
@@ -69,10 +80,8 @@ def start(config_path: str, *, count: int, secret: str, log_dir: str,
     for i in range(count):
       log_path = os.path.join(log_dir, f'server{i}.log')
       process = subprocess.Popen(
-          [sys.executable, '-m', 'sao_jax.serve', f'--config={config_path}',
-           '--port=0', *overrides],
-          env=base_env, stdout=subprocess.PIPE,
-          stderr=open(log_path, 'w'), text=True)
+          server_argv(config_path, i, restart, overrides), env=base_env,
+          stdout=subprocess.PIPE, stderr=open(log_path, 'w'), text=True)
       started.append((process, log_path))
     return [_wait_ready(p, log, timeout_s) for p, log in started]
   except BaseException:

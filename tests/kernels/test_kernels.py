@@ -120,6 +120,38 @@ def test_dis_kernel_zero_gradient_outside_band_and_empty_batch():
   assert metrics['ratio_min'] == 1.0 and metrics['ratio_max'] == 1.0
 
 
+@pytest.mark.parametrize('aggregation', list(losses.AGGREGATIONS))
+def test_dis_kernel_minus_inf_logp_is_dropped_not_nan(aggregation):
+  # A token outside the learner's truncated top-k/top-p distribution has
+  # logp = -inf: ratio 0, below the band, so it must contribute exactly 0.
+  logp, mu, adv, mask = dis_inputs(4, batch=6, length=200)
+  minus_inf = np.zeros(mask.shape, bool)
+  minus_inf[1, 50:53] = minus_inf[3, 7] = minus_inf[4, 199] = True
+  minus_inf[5, 10] = True  # and one masked out, which is ignored anyway
+  mask[1, 50:53] = mask[3, 7] = mask[4, 199] = True
+  mask[5, 10] = False
+  logp = jnp.where(minus_inf, -jnp.inf, logp)
+
+  def run(fn, **kw):
+    return jax.value_and_grad(
+        lambda lp: fn(lp, mu, adv, mask, 0.3, 5.0, aggregation, **kw),
+        has_aux=True)(logp)
+
+  (loss, metrics), grad = run(kernels.dis_policy_loss, implementation='pallas',
+                              block_b=32, block_t=128)
+  (want_loss, want_metrics), want_grad = run(losses.dis_policy_loss)
+  assert np.isfinite(want_loss) and np.all(np.isfinite(want_grad))
+  assert np.isfinite(loss) and np.all(np.isfinite(grad))
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5,
+                             atol=1e-5 * np.abs(want_grad).max())
+  np.testing.assert_array_equal(np.asarray(grad)[minus_inf], 0.0)
+  # The KL estimates are truly infinite (pi gives the sampled token no mass).
+  for name, value in want_metrics.items():
+    np.testing.assert_allclose(metrics[name], value, rtol=1e-5, err_msg=name)
+  assert metrics['kl_k1'] == np.inf and metrics['ratio_min'] == 0.0
+
+
 def test_bad_implementation_and_blocks_are_clear_errors():
   logp, mu, adv, mask = dis_inputs(3, batch=4, length=20)
   with pytest.raises(ValueError, match="implementation='cuda' is not one of"):

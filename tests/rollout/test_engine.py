@@ -149,8 +149,44 @@ def test_tensor_parallel_engine_matches_one_device(tiny_checkpoint):
     np.testing.assert_allclose(la, lb, atol=1e-5)
 
 
+def sample_directly(engine, prompt, steps):
+  """Tokens of slot 0 after `steps` generate calls (no orchestrator threads)."""
+  padded = np.zeros(32, np.int32)
+  padded[:len(prompt)] = prompt
+  prefix = engine.prefill(params=None, padded_tokens=padded,
+                          true_length=len(prompt))
+  state = engine.insert(prefix, engine.init_decode_state(), slot=0)
+  tokens = []
+  for _ in range(steps):
+    state, result = engine.generate(None, state)
+    tokens.append(int(result.data[0, engine_lib.TOKEN]))
+  return tokens
+
+
+def test_sampling_stream_depends_on_server_index_and_restart(tiny_checkpoint):
+  model, tok = sao_jax.models.from_pretrained(tiny_checkpoint)
+  prompt = tok.encode_chat([{'role': 'user', 'content': 'w2 w4'}])
+
+  def tokens(**stream):
+    # No stop ids: every stream runs the full 16 steps.
+    config = engine_lib.EngineConfig(
+        max_concurrent_decodes=1, max_prefill_length=32, max_target_length=64,
+        sampling=sampling.SamplingParams(temperature=1.0), seed=3, **stream)
+    return sample_directly(engine_lib.Engine(model, tok, config), prompt, 16)
+
+  base = tokens()
+  # The same (seed, server_index, restart) reproduces the samples exactly.
+  assert tokens(server_index=0, restart=0) == base
+  other_server = tokens(server_index=1)
+  restarted = tokens(restart=1)
+  assert other_server != base and restarted != base
+  assert other_server != restarted
+
+
 def test_engine_config_errors():
   with pytest.raises(ValueError, match='padding buckets'):
     engine_lib.EngineConfig(max_prefill_length=100)
   with pytest.raises(ValueError, match='must exceed'):
     engine_lib.EngineConfig(max_prefill_length=64, max_target_length=64)
+  with pytest.raises(ValueError, match='must be >= 0'):
+    engine_lib.EngineConfig(server_index=-1)

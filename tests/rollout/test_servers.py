@@ -39,6 +39,16 @@ SERVER_FLAGS = (f'--config.rollout.temperature={PARAMS.temperature}',
                 '--config.rollout.max_target_length=512')
 
 
+def test_server_argv_gives_each_server_its_index_and_the_restart():
+  argv = local_servers.server_argv('configs/default.py:x', 2, 3,
+                                   ['--config.seed=5', '--host=::1'])
+  assert argv[1:] == ['-m', 'sao_jax.serve', '--config=configs/default.py:x',
+                      '--port=0', '--server_index=2', '--restart=3',
+                      '--config.seed=5', '--host=::1']
+  assert local_servers.server_argv('c.py', 0)[-2:] == ['--server_index=0',
+                                                       '--restart=0']
+
+
 @pytest.fixture(scope='module')
 def servers(tiny_checkpoint_no_eos, tmp_path_factory):
   started = local_servers.start(

@@ -66,13 +66,14 @@ def _forward_kernel(eps_ref, logp_ref, mu_ref, adv_ref, mask_ref, stats_ref,
 
   mask, logp, adv, log_ratio, ratio, below, above, keep = _token_terms(
       eps_ref, logp_ref, mu_ref, adv_ref, mask_ref)
-  # `where`, not products: an overflowed ratio or a -inf logp of a dropped
-  # token must not turn into NaN.
+  # `where`, not products: an overflowed ratio (inf) or the -inf logp of a
+  # token outside a truncated sampling distribution (ratio 0, dropped) would
+  # turn 0 * inf into NaN. Dropped tokens leave the loss entirely.
   coef = jnp.where(keep, -ratio * adv, 0.0)  # dL/dlogp up to the row weight
   if coef_ref is not None:
     coef_ref[...] = coef.astype(coef_ref.dtype)
   terms = {
-      LOSS: coef * logp,
+      LOSS: coef * jnp.where(keep, logp, 0.0),
       COUNT: mask.astype(_F32),
       BELOW: below.astype(_F32),
       ABOVE: above.astype(_F32),
