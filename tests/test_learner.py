@@ -334,3 +334,18 @@ def test_reference_kl_is_against_the_frozen_initial_policy():
   np.testing.assert_equal(flat(learner.state.ref_policy), initial)
   assert make_learner(make_config('grpo', **{'mesh.data': 1}),
                       jax.devices()[:1]).state.ref_policy is None
+
+
+def test_critic_optimizer_restarts_after_value_pretraining(one_device):
+  learner = one_device()
+  fresh = flat(learner.state.critic_opt)
+  learner.state, _ = learner.critic_step(learner.state,
+                                         learner.device_batch(fake_batch(0)))
+  trained = flat(learner.state.critic)
+  assert any(not np.array_equal(v, fresh[k])
+             for k, v in flat(learner.state.critic_opt).items())
+  learner.state = learner.reset_critic_optimizer(learner.state)
+  # Moments and step counts as new (RL's warm-up starts at 0), the critic's
+  # pretrained weights kept.
+  np.testing.assert_equal(flat(learner.state.critic_opt), fresh)
+  np.testing.assert_equal(flat(learner.state.critic), trained)
