@@ -76,6 +76,8 @@ def main():
       'task.word_target.delay_max_s': args.delay_max,
       'rollout.max_sequence_length': 96, 'rollout.max_prefill_length': 64,
       'rollout.max_target_length': 96}
+  if args.quick:
+    overrides['critic.pretrain_steps'] = 2  # the machinery, not the result
   modes = ('sync', 'async')
   specs = [training_runs.RunSpec(mode, seed, CONFIG,
                                  dict(overrides, **mode_overrides(mode)))

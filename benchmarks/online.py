@@ -88,6 +88,8 @@ def main():
   overrides = {'total_steps': total, 'eval.every': 0, 'task.held_out': 16,
                'task.word_target.switch_steps': tuple(switches),
                'rollout.max_staleness': 2}
+  if args.quick:
+    overrides['critic.pretrain_steps'] = 2  # the machinery, not the result
   specs = [training_runs.RunSpec(variant, seed, f'{CONFIG}:algorithm={name}',
                                  dict(overrides, **extra))
            for seed in range(seeds)
