@@ -102,7 +102,7 @@ def test_spot_checks(rendered):
   assert "| `advantage.estimator` | `'skip_observation_gae'` | `'grpo'` |" in grpo
   assert '`algorithm`' not in grpo
   ppo = _section(rendered, '### algorithm=ppo')
-  assert '| `critic.pretrain_steps` | `20` | `0` |' in ppo
+  assert '| `critic.pretrain_steps` | `12` | `0` |' in ppo
 
   tiny = _section(rendered, '### configs/tiny.py')
   assert "| `model.source` | `'smollm2-135m-instruct'` | `'tiny-random'` |" in tiny
