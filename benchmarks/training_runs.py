@@ -110,6 +110,10 @@ def run_environment(root: str) -> dict[str, str]:
   """The environment of a run: the repo importable, the shared compile cache.
   """
   env = dict(os.environ)
+  # A run measures this machine as a user runs it: not the fake CPU devices
+  # (and their XLA flags) of a parent test session, under which a batch may
+  # not split over the devices the way the recipe was sized for.
+  env.pop('XLA_FLAGS', None)
   env['PYTHONPATH'] = os.pathsep.join(
       p for p in (ROOT, env.get('PYTHONPATH', '')) if p)
   env.setdefault('JAX_COMPILATION_CACHE_DIR', compile_cache_dir(root))
