@@ -311,14 +311,17 @@ class Learner:
     metrics = {}
     running_mean = state.running_mean
     if self.uses_critic:
-      values_before = objectives.critic_values(self.critic_model(state), batch)
+      pre_update = cfg.advantage.values_from == 'pre_update'
+      # Only read when the advantages need them (or the returns bootstrap).
+      values_before = (objectives.critic_values(self.critic_model(state), batch)
+                       if pre_update else None)
       state, critic_metrics = self._critic_updates(
           state, batch, cfg.critic.steps_per_policy_step, values_before)
       metrics.update(critic_metrics)
       # Pre-update values by default (verl's order): after K updates on this
       # very batch the baseline has regressed onto each trajectory's own
       # return, and A = R - V shrinks towards 0.
-      values = (values_before if cfg.advantage.values_from == 'pre_update'
+      values = (values_before if pre_update
                 else objectives.critic_values(self.critic_model(state), batch))
       adv, _ = objectives.gae(cfg, batch, values,
                               objectives.policy_lambda(cfg, batch), self.mesh)

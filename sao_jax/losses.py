@@ -319,14 +319,8 @@ def explained_variance(values, returns, mask):
   """
   mask_BxT, (values_BxT, returns_BxT) = _token_inputs(
       'explained_variance', mask, values=values, returns=returns)
-  count = jnp.maximum(jnp.sum(mask_BxT), 1)
-
-  def masked_var(x_BxT):
-    mean = jnp.sum(x_BxT) / count
-    return jnp.sum(jnp.where(mask_BxT, (x_BxT - mean) ** 2, 0.0)) / count
-
-  var_returns = masked_var(returns_BxT)
-  ev = 1.0 - masked_var(returns_BxT - values_BxT) / var_returns
+  var_returns = _masked_variance(returns_BxT, mask_BxT)
+  ev = 1.0 - _masked_variance(returns_BxT - values_BxT, mask_BxT) / var_returns
   return jnp.where(var_returns > 0, ev, jnp.nan)
 
 
@@ -339,12 +333,18 @@ def r_squared(values, returns, mask):
   """
   mask_BxT, (values_BxT, returns_BxT) = _token_inputs(
       'r_squared', mask, values=values, returns=returns)
-  count = jnp.maximum(jnp.sum(mask_BxT), 1)
-  mean = jnp.sum(returns_BxT) / count
-  var_returns = jnp.sum(jnp.where(mask_BxT, (returns_BxT - mean) ** 2,
-                                  0.0)) / count
-  mse = jnp.sum((returns_BxT - values_BxT) ** 2) / count
+  var_returns = _masked_variance(returns_BxT, mask_BxT)
+  # The inputs are 0 off the mask, so the plain sum is the masked one.
+  mse = jnp.sum((returns_BxT - values_BxT) ** 2) / jnp.maximum(
+      jnp.sum(mask_BxT), 1)
   return jnp.where(var_returns > 0, 1.0 - mse / var_returns, jnp.nan)
+
+
+def _masked_variance(x_BxT, mask_BxT):
+  """Population variance of `x` over the masked-in tokens (x is 0 off it)."""
+  count = jnp.maximum(jnp.sum(mask_BxT), 1)
+  mean = jnp.sum(x_BxT) / count
+  return jnp.sum(jnp.where(mask_BxT, (x_BxT - mean) ** 2, 0.0)) / count
 
 
 def check_token_inputs(where, mask, **arrays):

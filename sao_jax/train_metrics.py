@@ -136,8 +136,8 @@ class PromptSlots:
 class Plateau:
   """Stops when a score has not gained `min_delta` for `patience` updates.
 
-  Value pretraining's rule. Non-finite scores (explained variance of a batch
-  whose returns are all equal is undefined) are not counted either way.
+  Value pretraining's rule. Non-finite scores (R^2 of a batch whose returns
+  are all equal is undefined) are not counted either way.
   """
 
   def __init__(self, patience: int, min_delta: float):

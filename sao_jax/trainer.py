@@ -192,9 +192,9 @@ def run(config, workdir: str) -> RunResult:
                                       config.rollout.max_sequence_length,
                                       tok.pad_id or 0)
       with tracker.phase('train'):
+        slot_ids = slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)
         learner.state, device_metrics = learner.train_step(
-            learner.state, learner.device_batch(
-                batch, slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)))
+            learner.state, learner.device_batch(batch, slot_ids))
         jax.block_until_ready(learner.state.step)
       task_indices = sorted({t.info['task_index'] for t in trajectories})
       ledger.mark_done(task_indices)
