@@ -13,7 +13,15 @@ JetStream modules only through here:
     handler, flooding every program that imports it: both are undone;
   * a thread failure SIGKILLs the process without a word in the logs; the
     wrapper is kept (a dead driver thread cannot serve), but the failure is
-    logged at CRITICAL first so the cause is on record.
+    logged at CRITICAL first so the cause is on record;
+  * its generate thread races with the detokenize thread: it reads the free
+    slot count, finds no request to insert, and then asserts that some slot is
+    busy, while the detokenize thread may have freed the last busy slot in
+    between (`AssertionError: At this point we must have some requests
+    inserted into the slots`; seen in training runs and under a stress
+    client). The assertion fails only when every slot is free, so no request
+    lives in the decode state: the thread's loop is restarted (a fresh decode
+    state, counted in `GENERATE_LOOP_RESTARTS`) instead of killing the server.
 
 Faults handled elsewhere: `max_tokens` unset returns no tokens and over-long
 prompts are truncated silently (the client always sets `max_tokens` and checks
@@ -63,19 +71,42 @@ def _delete_pytree(tree):
   jax.tree.map(delete, tree)
 
 
+_SLOT_RACE = 'At this point we must have some requests inserted'
+
+# How often a generate loop was restarted after the free-slot race.
+GENERATE_LOOP_RESTARTS = 0
+
+
 def _run_logged(self):
-  try:
-    self._sao_run()  # pylint: disable=protected-access
-  except Exception:  # pylint: disable=broad-except
-    _log.critical('JetStream thread %s failed; the server stops:\n%s',
-                  self.name, traceback.format_exc())
-    os.kill(os.getpid(), signal.SIGKILL)
+  """`JetThread.run`: restarts a generate loop after the slot race, logs and
+  kills the server on any other failure."""
+  global GENERATE_LOOP_RESTARTS
+  # `Thread.run` forgets its target when it returns or raises: keep it.
+  target, args, kwargs = self._target, self._args, self._kwargs  # pylint: disable=protected-access
+  while True:
+    try:
+      if target is not None:
+        target(*args, **kwargs)
+      return
+    except AssertionError as e:
+      if _SLOT_RACE not in str(e):
+        _fail(self)
+      GENERATE_LOOP_RESTARTS += 1
+      _log.warning('JetStream %s: every decode slot freed during a step'
+                   ' (a known race); restarting its loop (%d so far)',
+                   self.name, GENERATE_LOOP_RESTARTS)
+    except Exception:  # pylint: disable=broad-except
+      _fail(self)
+
+
+def _fail(thread) -> None:
+  _log.critical('JetStream thread %s failed; the server stops:\n%s',
+                thread.name, traceback.format_exc())
+  os.kill(os.getpid(), signal.SIGKILL)
 
 
 orchestrator.delete_pytree = _delete_pytree
-if not hasattr(orchestrator.JetThread, '_sao_run'):
-  orchestrator.JetThread._sao_run = orchestrator.JetThread.__mro__[1].run  # pylint: disable=protected-access
-  orchestrator.JetThread.run = _run_logged
+orchestrator.JetThread.run = _run_logged
 
 class _DropOrchestratorChatter(logging.Filter):
   """Drops the orchestrator's per-step INFO lines (several per decode step)."""
