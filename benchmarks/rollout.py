@@ -88,7 +88,7 @@ def main():
              for q in questions[:args.requests]]
   (server,) = local_servers.start(
       os.path.join(ROOT, 'configs', 'default.py'), count=1, secret=SECRET,
-      log_dir=workdir, overrides=(
+      log_dir=workdir, weights_root=workdir, overrides=(
           f'--config.model.source={source}',
           f'--config.rollout.max_concurrent_decodes={args.slots}',
           '--config.rollout.temperature=1.0',  # as in BENCHMARKS.md

@@ -245,9 +245,21 @@ def get_config(arg=None):
   c.rollout.request_deadline_s = 300.0  # seconds one generation may take
   c.rollout.max_retries = 3  # re-sends to another live server on UNAVAILABLE
   c.rollout.get_batch_timeout_s = 1800.0  # learner gives up waiting for data
+  # Supervision: servers are health-checked every health_interval_s; one that
+  # misses health_timeout_s or push_timeout_s is routed around until it answers
+  # and serves the current weights again. No live server for no_server_grace_s
+  # ends the run with an error (a local server restart fits in it).
+  c.rollout.health_interval_s = 2.0  # seconds between health checks
+  c.rollout.health_timeout_s = 5.0  # a slower answer marks a server sick
+  c.rollout.push_timeout_s = 120.0  # one server loading one weight version
+  c.rollout.no_server_grace_s = 180.0  # no live server this long: error
+  c.rollout.max_restart_backoff_s = 30.0  # local servers: 1, 2, 4, ... s up to this
   # Host-side queue between workers and the learner.
   c.rollout.queue_capacity = 0  # finished trajectories held; 0: admission bounds it
   c.rollout.logprob_tolerance = 1e-3  # mu_t > this is a malformed trajectory
+  # Rewards here are O(1); one of larger magnitude is an environment bug,
+  # rejected and counted (queue/rejected/reward_out_of_range), not trained on.
+  c.rollout.max_abs_reward = 1e6
   c.rollout.num_workers = 32  # concurrent episodes per host (admission-gated)
   # Episodes.
   c.rollout.max_new_tokens = 12  # per model turn

@@ -420,6 +420,14 @@ def _json_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
 # -- stopping on SIGTERM ------------------------------------------------------
 
 
+class StopRequested(BaseException):
+  """A stop was requested while the program waited (or started up).
+
+  A BaseException, like KeyboardInterrupt, so that no `except Exception`
+  on the way up swallows it.
+  """
+
+
 class StopFlag:
   """Records that the process was asked to stop; polled by the training loop.
 
@@ -436,10 +444,20 @@ class StopFlag:
   period (30 s on Kubernetes by default), so the final save must fit in it;
   if it does not, the atomic finalize means the previous checkpoint is
   what the next run resumes from.
+
+  Two more ways to be prompt, for one process (with several, a stop must go
+  through `should_stop` at the same step everywhere):
+    * `raise_immediately`: while set, the handler raises `StopRequested`
+      where the main thread is. Only for phases with nothing to save and
+      nothing a half-done operation can corrupt (start-up before the first
+      step: the state equals the checkpoint it came from), like Ctrl-C.
+    * `raise_if_requested()`: called by blocking waits between their short
+      polls, so that a starved queue or a hung weight push ends in seconds.
   """
 
   def __init__(self):
     self.signum: int | None = None
+    self.raise_immediately = False
     self._previous: dict[int, Any] = {}
 
   def request_stop(self, signum: int = signal.SIGTERM) -> None:
@@ -449,6 +467,20 @@ class StopFlag:
   def _handle(self, signum, frame) -> None:
     del frame
     self.signum = signum
+    if self.raise_immediately:
+      self.raise_immediately = False  # a second signal must not interrupt
+      raise StopRequested(f'signal {signum}')
+
+  @property
+  def requested(self) -> bool:
+    """A stop was requested of this process (no collective)."""
+    return self.signum is not None
+
+  def raise_if_requested(self) -> None:
+    """Raises `StopRequested` if a stop was requested (one process only:
+    with several, waits must not leave the lock-step of `should_stop`)."""
+    if self.signum is not None and jax.process_count() == 1:
+      raise StopRequested(f'signal {self.signum}')
 
   def should_stop(self) -> bool:
     """True once a stop was requested on any process.

@@ -25,10 +25,12 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from sao_jax import errors
 from sao_jax import kernels
 from sao_jax import losses
 from sao_jax import objectives
 from sao_jax import sharding
+from sao_jax.models import pretrained
 from sao_jax.rollout.environments import registry
 
 # Algorithm name -> the advantage estimator and policy loss it is made of, and
@@ -54,7 +56,7 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                    32768)
 
 
-class ConfigError(ValueError):
+class ConfigError(errors.UserError):
   """An invalid configuration; the message is one line naming the keys."""
 
 
@@ -231,12 +233,16 @@ def validate(config: ml_collections.ConfigDict,
     problems.append(f'config.rollout.queue_capacity={capacity} must be 0 or'
                     f' >= config.batch_size={batch}')
   check.positive('rollout.logprob_tolerance')
+  check.open_interval('rollout.max_abs_reward', 0, float('inf'))
   check.positive_int('rollout.num_workers')
   check.positive_int('rollout.max_concurrent_decodes')
   check.positive_int('rollout.max_in_flight_per_server')
   check.positive_int('rollout.max_new_tokens')
   check.non_negative_int('rollout.max_retries')
   check.positive('rollout.request_deadline_s')
+  for key in ('health_interval_s', 'health_timeout_s', 'push_timeout_s',
+              'no_server_grace_s', 'max_restart_backoff_s'):
+    check.positive(f'rollout.{key}')
   check.non_negative('rollout.temperature')
   check.non_negative_int('rollout.top_k')
   top_p = check.get('rollout.top_p')
@@ -313,6 +319,44 @@ def _check_word_target(check: _Checker, problems: list[str]) -> None:
                     ' config.rollout.group_in_one_request=False')
 
 
+def check_inputs(config: ml_collections.ConfigDict, *,
+                 task: bool = True) -> None:
+  """Checks that the files a run reads exist, before its slow start-up.
+
+  `validate` checks settings only, so that a recipe for a TPU pod validates on
+  a laptop; training and serving call this too, on the machine that reads the
+  files: the model source and (with `task`) a JSONL task's files.
+
+  Raises:
+    ConfigError: with every problem found, each naming its key, on one line.
+  """
+  problems = []
+  source = config.model.source
+  if source.startswith('arch:'):
+    problems.append(f'config.model.source={source!r} is an architecture'
+                    ' without weights (for compiles only): set it to a'
+                    ' Hugging Face checkpoint directory')
+  elif source not in pretrained.NAMED_MODELS:
+    if not os.path.isdir(source):
+      problems.append(f'config.model.source={source!r}: no such directory'
+                      ' (expected a Hugging Face checkpoint directory or one'
+                      f' of {", ".join(pretrained.NAMED_MODELS)})')
+    elif not os.path.isfile(os.path.join(source, 'config.json')):
+      problems.append(f'config.model.source={source!r} has no config.json'
+                      ' (not a Hugging Face checkpoint directory)')
+  if task and config.task.name == 'jsonl':
+    jsonl = config.task.jsonl
+    if not jsonl.path:
+      problems.append("config.task.jsonl.path must name a JSONL file when"
+                      " config.task.name='jsonl'")
+    for key in ('path', 'eval_path'):
+      if jsonl[key] and not os.path.isfile(jsonl[key]):
+        problems.append(f'config.task.jsonl.{key}={jsonl[key]!r}: no such'
+                        ' file')
+  if problems:
+    raise ConfigError('; '.join(problems))
+
+
 def define_config_flag(name: str = 'config',
                        default: str | None = None) -> flags.FlagHolder:
   """`--config=file.py[:arg]` with locked `--config.a.b=value` overrides."""
@@ -322,11 +366,18 @@ def define_config_flag(name: str = 'config',
 
 
 def run(main: Callable[[Sequence[str]], None]) -> None:
-  """`absl.app.run` whose config errors are one line on stderr and exit 2.
+  """`absl.app.run` whose user errors are one line on stderr and exit 2.
 
   Covers a missing or broken config file, an override of an unknown key, a
-  value of the wrong type, and `ConfigError` raised from `main` (by `validate`).
+  value of the wrong type, and, raised from `main`: a `UserError` (such as
+  `ConfigError` from `validate`), an `OSError` (a missing file, a workdir that
+  is a file) and a `TimeoutError` (see `errors`). `--verbose` shows their
+  tracebacks instead; any other exception is a bug and always keeps its
+  traceback.
   """
+  if 'verbose' not in flags.FLAGS:
+    flags.DEFINE_boolean('verbose', False,
+                         'show the traceback of an error instead of one line')
 
   def parse(argv):
     spec = _config_spec(argv)
@@ -346,10 +397,22 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
   def guarded(argv):
     try:
       main(argv)
-    except ConfigError as e:
-      _fail(str(e))
+    except (errors.UserError, OSError, TimeoutError) as e:
+      if flags.FLAGS.verbose:
+        raise
+      _fail(user_message(e))
 
   app.run(guarded, flags_parser=parse)
+
+
+def user_message(e: BaseException) -> str:
+  """The text after `error:` for an exception `run` reports without trace."""
+  if isinstance(e, OSError) and e.filename is not None:
+    where = f'{e.filename} -> {e.filename2}' if e.filename2 else e.filename
+    return f'{where}: {e.strerror or type(e).__name__}'
+  if isinstance(e, TimeoutError):
+    return str(e) or 'timed out'
+  return str(e) or type(e).__name__
 
 
 def _fail(message: str) -> None:

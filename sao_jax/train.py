@@ -8,6 +8,11 @@ workers into the async queue, trains as batches arrive, pushes weights every
 `sync_every` steps, evaluates on the held-out split, checkpoints (a workdir
 with a checkpoint resumes it), and ends with the held-out accuracy before and
 after training side by side and a plot of the learning curves.
+
+A mistake the user can fix (a bad setting, a missing model directory or JSONL
+file, a workdir that is a file, remote servers without an admin secret, no
+batch in time) ends the run with one `error: ...` line on stderr and exit
+status 2; `--verbose` shows its traceback (`config_lib.run`).
 """
 
 import logging
@@ -38,7 +43,9 @@ def main(argv: Sequence[str]) -> None:
   if result.plot_path:
     print(f'learning curves: {result.plot_path}')
   if result.stopped_early:
-    print(f'stopped at step {result.steps}; run the same command to resume')
+    where = ('during start-up' if result.steps is None
+             else f'at step {result.steps}')
+    print(f'stopped {where}; run the same command to resume')
 
 
 if __name__ == '__main__':

@@ -41,6 +41,25 @@ def test_rollout_benchmark_quick(tmp_path):
   assert '| tiny-random |' in proc.stdout
 
 
+@pytest.mark.slow
+def test_server_stress_benchmark_quick(tmp_path):
+  out = tmp_path / 'server_stress.json'
+  proc = subprocess.run(
+      [sys.executable, 'benchmarks/server_stress.py', '--quick',
+       f'--out={out}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result['server_alive_at_end'], result
+  assert result['server_exit_code'] is None
+  assert result['completed'] > 0
+  assert result['cancelled'] > 0
+  assert result['failed'] == {}, result['errors']
+  assert result['health_check_failures'] == 0
+  assert result['requests'] == result['completed'] + result['cancelled']
+
+
 @pytest.fixture(scope='module')
 def compile_cache(tmp_path_factory):
   """One XLA compilation cache for the module's benchmark runs.

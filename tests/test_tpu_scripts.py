@@ -183,6 +183,8 @@ def test_launch_plan(sandbox):
     assert '--port=9000' in server
     assert '--config=configs/llama3_8b_v5p.py' in server
     assert '--config.model.source=/mnt/sao/models/llama' in server
+    # Pushed weights load only from the run's shared weights directory.
+    assert '--weights_root="/mnt/sao/runs/sao-test/weights"' in server
   # Each server VM samples its own random stream.
   for i, server in enumerate(servers):
     assert f'sao-test-server-{i} ' in server

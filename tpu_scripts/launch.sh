@@ -24,7 +24,9 @@ Usage: tpu_scripts/launch.sh [--env-file FILE] [--dry-run] [options]
   3. Starts `python -m sao_jax.serve` on worker 0 of each server VM, bound to
      0.0.0.0:SERVER_PORT (--config.rollout.bind_host=0.0.0.0), with
      --server_index=I for PREFIX-I (folded into its sampling key, so that
-     the servers draw different random streams), and waits until each
+     the servers draw different random streams) and
+     --weights_root=WORKDIR/weights (the only directory it loads the
+     learner's pushed weights from), and waits until each
      prints its ready line (up to SERVER_READY_TIMEOUT_S, default 1800;
      --no-wait skips).
   4. Reads each server VM's internal IP and starts `python -m sao_jax.train`
@@ -137,7 +139,7 @@ if [ "$do_servers" = 1 ] && [ ${#servers[@]} -gt 0 ]; then
     name=${servers[$i]}
     # The index keeps the servers' sampling streams apart; user overrides
     # still come last.
-    server_args="-m sao_jax.serve $config_flag --port=$SERVER_PORT --server_index=$i --config.rollout.bind_host=0.0.0.0 --config.rollout.admin_secret_file=\"$R_SECRET\"${user_overrides:+ $user_overrides}"
+    server_args="-m sao_jax.serve $config_flag --port=$SERVER_PORT --server_index=$i --weights_root=\"$workdir/weights\" --config.rollout.bind_host=0.0.0.0 --config.rollout.admin_secret_file=\"$R_SECRET\"${user_overrides:+ $user_overrides}"
     info "server $name: JetStream on 0.0.0.0:$SERVER_PORT"
     ssh_vm "$name" "$SERVER_ZONE" all "$prepare"
     distribute_secret "$name" "$SERVER_ZONE"

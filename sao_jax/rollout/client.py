@@ -3,9 +3,13 @@
 JetStream never refuses load (requests pile up in its prefill queue), so the
 client bounds the requests in flight per server and sends each new one to the
 least-loaded live server. A server that fails a call with UNAVAILABLE (killed,
-restarting, unreachable) is marked dead, the request is re-sent from scratch
-to a live one (up to `max_retries` times), and a background probe brings the
-server back when its health check answers again. Every outcome is counted.
+restarting, unreachable), misses a periodic health check, or is reported sick
+by its owner (`mark_unhealthy`: a failed weight push, a dead process) is
+marked dead and routed around; the request is re-sent from scratch to a live
+one (up to `max_retries` times). A background monitor brings a dead server
+back once its health check answers and the owner's `before_revive` hook (the
+trainer's: make it serve the current weights) says it may take traffic. Every
+outcome is counted.
 
 Requests are token-in/token-out (`token_content`): the client sends prompt ids
 and reads, per step, `[token, mu_t bits, version]` (see `engine`). It checks
@@ -19,7 +23,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -73,6 +77,10 @@ class _Server:
     self.idle_since = time.monotonic()
     self.idle_seconds = 0.0
     self.live = True
+    # Set while the server is marked dead: its requests in flight stop
+    # waiting (a hung server would hold them, and their admission slots,
+    # until the request deadline) and go to another server.
+    self.dead = asyncio.Event()
     self.channel = None
     self.decode = None
     self.health = None
@@ -89,6 +97,10 @@ class _Server:
         response_deserializer=pb.HealthCheckResponse.FromString)
 
 
+class _MarkedDead(Exception):
+  """The server of a request in flight was marked dead meanwhile."""
+
+
 class ServerPool:
   """Least-loaded routing over rollout servers, with bounds and retries.
 
@@ -97,15 +109,41 @@ class ServerPool:
 
   def __init__(self, addresses: Sequence[str], *, max_in_flight_per_server=16,
                deadline_s=300.0, max_retries=3, stop_ids=(),
-               max_prompt_length: int | None = None, probe_interval_s=1.0):
+               max_prompt_length: int | None = None, probe_interval_s=1.0,
+               health_timeout_s=5.0,
+               before_revive: Callable[[str], Awaitable[bool]] | None = None,
+               start_dead: bool = False):
+    """Sets up the pool (connections open in `__aenter__`).
+
+    Args:
+      addresses: the servers, `host:port`.
+      max_in_flight_per_server: requests in flight on one server at most.
+      deadline_s: seconds one request may take, retries included.
+      max_retries: re-sends after a retryable failure.
+      stop_ids: token ids that end a generation ('stop' finish reason).
+      max_prompt_length: longer prompts are refused here (JetStream would
+        truncate them silently).
+      probe_interval_s: how often every server's health is checked.
+      health_timeout_s: a live server whose health check takes longer is
+        marked dead (a hung or overloaded process).
+      before_revive: awaited with the address of a dead server whose health
+        check answers again; it returns whether the server may take traffic
+        (the trainer's hook brings it to the current weights first).
+      start_dead: every server starts dead, so the first traffic waits for
+        `before_revive` (servers that may serve stale weights).
+    """
     if not addresses:
       raise ValueError('ServerPool needs at least one server address')
     self._servers = [_Server(a, max_in_flight_per_server) for a in addresses]
+    for server in self._servers:
+      server.live = not start_dead
     self._deadline_s = deadline_s
     self._max_retries = max_retries
     self._stop_ids = set(int(s) for s in stop_ids)
     self._max_prompt_length = max_prompt_length
     self._probe_interval_s = probe_interval_s
+    self._health_timeout_s = health_timeout_s
+    self._before_revive = before_revive
     self._changed = None  # asyncio.Condition, created in the loop
     self._probe_task = None
     self.counters = collections.Counter()
@@ -117,7 +155,7 @@ class ServerPool:
     for server in self._servers:
       server.connect()
       server.idle_since, server.idle_seconds = self._opened_at, 0.0
-    self._probe_task = asyncio.create_task(self._probe_dead_servers())
+    self._probe_task = asyncio.create_task(self._monitor())
     return self
 
   async def __aexit__(self, *exc):
@@ -126,6 +164,7 @@ class ServerPool:
   async def close(self):
     if self._probe_task:
       self._probe_task.cancel()
+      await asyncio.gather(self._probe_task, return_exceptions=True)
     for server in self._servers:
       if server.channel is not None:
         await server.channel.close()
@@ -178,30 +217,69 @@ class ServerPool:
       server.in_flight -= 1
       if server.in_flight == 0:
         server.idle_since = time.monotonic()
-      if dead and server.live:
-        server.live = False
-        self.counters[f'server_marked_dead'] += 1
-        _log.warning('rollout server %s is unavailable; routing around it',
-                     server.address)
+      if dead:
+        self._mark_dead(server, 'unavailable')
       self._changed.notify_all()
 
-  async def _probe_dead_servers(self):
-    """Brings dead servers back once their health check answers."""
-    while True:
-      await asyncio.sleep(self._probe_interval_s)
+  def _mark_dead(self, server: _Server, why: str) -> None:
+    if server.live:
+      server.live = False
+      server.dead.set()
+      self.counters['server_marked_dead'] += 1
+      self.counters[f'server_marked_dead/{why}'] += 1
+      _log.warning('rollout server %s: %s; routing around it', server.address,
+                   why)
+
+  async def mark_unhealthy(self, address: str, why: str) -> None:
+    """Routes around `address` until it answers and may be revived."""
+    async with self._changed:
       for server in self._servers:
-        if server.live:
-          continue
-        try:
-          response = await server.health(pb.HealthCheckRequest(), timeout=2.0)
-        except grpc.RpcError:
-          continue
-        if response.is_live:
-          async with self._changed:
-            server.live = True
-            self.counters['server_revived'] += 1
-            self._changed.notify_all()
-          _log.info('rollout server %s is back', server.address)
+        if server.address == address:
+          self._mark_dead(server, why)
+      self._changed.notify_all()
+
+  async def _monitor(self):
+    """Health-checks every server each `probe_interval_s`: a live one that
+    does not answer in time is marked dead; a dead one that answers is
+    revived once `before_revive` agrees. A hook that fails is retried at the
+    next probe."""
+    # Servers that start dead are probed at once: they hold up all traffic.
+    if all(s.live for s in self._servers):
+      await asyncio.sleep(self._probe_interval_s)
+    while True:
+      await asyncio.gather(*(self._probe(s) for s in self._servers))
+      await asyncio.sleep(self._probe_interval_s)
+
+  async def _probe(self, server: _Server) -> None:
+    try:
+      response = await server.health(pb.HealthCheckRequest(),
+                                     timeout=self._health_timeout_s)
+      healthy = response.is_live
+    except grpc.RpcError:
+      healthy = False
+    if not healthy:
+      if server.live:
+        async with self._changed:
+          self._mark_dead(server, 'failed_health_check')
+      return
+    if server.live:
+      return
+    if self._before_revive is not None:
+      try:
+        if not await self._before_revive(server.address):
+          return
+      except Exception:  # pylint: disable=broad-except
+        # A hook failure must not end the monitor; retry next probe.
+        self.counters['revive_hook_errors'] += 1
+        _log.exception('reviving rollout server %s failed', server.address)
+        return
+    async with self._changed:
+      if not server.live:
+        server.live = True
+        server.dead = asyncio.Event()
+        self.counters['server_revived'] += 1
+        _log.info('rollout server %s is back', server.address)
+      self._changed.notify_all()
 
   async def generate(self, prompt: Sequence[int], max_tokens: int
                      ) -> list[Sample]:
@@ -228,6 +306,13 @@ class ServerPool:
         self.counters['completed'] += 1
         self.counters['tokens'] += sum(len(s.tokens) for s in samples)
         return samples
+      except _MarkedDead as e:
+        attempt += 1
+        self.counters['retried'] += 1
+        self.counters['abandoned_on_sick_server'] += 1
+        if attempt > self._max_retries:
+          self.counters['retries_exhausted'] += 1
+          raise RequestFailed('retries_exhausted', str(e)) from e
       except grpc.aio.AioRpcError as e:
         code = e.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -252,6 +337,21 @@ class ServerPool:
         max_tokens=max_tokens)
     call = server.decode(request, timeout=max(deadline - time.monotonic(),
                                               0.001))
+    reader = asyncio.ensure_future(self._read(server, call))
+    dead = asyncio.ensure_future(server.dead.wait())
+    try:
+      done, _ = await asyncio.wait({reader, dead},
+                                   return_when=asyncio.FIRST_COMPLETED)
+    finally:
+      dead.cancel()
+      if not reader.done():
+        reader.cancel()
+        call.cancel()
+    if reader not in done:
+      raise _MarkedDead(f'{server.address} was marked dead')
+    return reader.result()
+
+  async def _read(self, server: _Server, call) -> list[Sample]:
     per_sample: list[list[tuple]] = []
     async for response in call:
       for i, sample in enumerate(response.stream_content.samples):

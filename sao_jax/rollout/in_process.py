@@ -25,7 +25,8 @@ from sao_jax.rollout import server as server_lib
 
 
 @contextlib.contextmanager
-def serve(config, devices=None, server_index: int = 0, restart: int = 0):
+def serve(config, devices=None, server_index: int = 0, restart: int = 0,
+          weights_root: str = os.sep):
   """Serves `config`'s model in this process while the context is open.
 
   Args:
@@ -37,6 +38,9 @@ def serve(config, devices=None, server_index: int = 0, restart: int = 0):
     restart: how many times the run was restarted. Both are folded into the
       sampling key with `config.seed` (`engine.EngineConfig`), so that no two
       servers, and no restart of a run, draw the same random stream.
+    weights_root: the directory weight pushes may load from. Any by default:
+      the admin secret never leaves this user's private file, and this user
+      can read every path the server could.
 
   Yields:
     A copy of `config` with `rollout.server_addresses` and
@@ -51,7 +55,8 @@ def serve(config, devices=None, server_index: int = 0, restart: int = 0):
         config, devices=devices or jax.local_devices()[:1],
         server_index=server_index, restart=restart)
     server = server_lib.RolloutServer(engine, port=0, secret=secret,
-                                      host='127.0.0.1')
+                                      host='127.0.0.1',
+                                      weights_root=weights_root)
     try:
       run_config = config.copy_and_resolve_references()
       run_config.rollout.server_addresses = f'127.0.0.1:{server.port}'

@@ -74,9 +74,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sao_jax.rollout import queue_state
@@ -128,7 +129,9 @@ class Lease:
     """Hands one finished trajectory to the queue (one slot).
 
     Blocks while the queue is at capacity (backpressure). A malformed
-    trajectory is rejected and counted, never raised.
+    trajectory, whatever `traj` is, is rejected and counted
+    (`rejected/<reason>` in `stats()`), never raised: only the caller's own
+    misuse below raises.
 
     Returns:
       True if it was queued; False if it was rejected or dropped because its
@@ -185,6 +188,9 @@ class RolloutQueue(queue_state.QueueState):
                max_length: int, group_size: int = 1,
                capacity: int | None = None, *,
                logprob_tolerance: float = 1e-3,
+               max_abs_reward: float | None = None,
+               required_info: Mapping[str, type | tuple[type, ...]]
+               | None = None,
                loop: asyncio.AbstractEventLoop | None = None):
     """Creates an empty queue at learner and rollout version 0.
 
@@ -202,6 +208,13 @@ class RolloutQueue(queue_state.QueueState):
         groups cannot fill the queue and deadlock it.
       logprob_tolerance: action log-probs above this are rejected; a little
         above 0 is rounding in the engine's log-softmax.
+      max_abs_reward: rewards of larger magnitude are rejected
+        ('reward_out_of_range'): an environment bug, not something to train
+        on. None bounds them by float32 only. Positive and finite.
+      required_info: info key -> the type (or tuple of types) its value must
+        have, for the keys the consumer of the batches reads (e.g.
+        {'task_index': int}); a trajectory lacking one is rejected
+        ('bad_info') rather than crashing the training loop later.
       loop: the event loop the workers run in. Needed only if the learner
         thread calls a `*_blocking` method before any coroutine of the queue
         ran in the loop (which binds it).
@@ -220,8 +233,24 @@ class RolloutQueue(queue_state.QueueState):
     if capacity is not None and capacity < batch_size:
       raise ValueError(f'RolloutQueue: capacity={capacity} is below'
                        f' batch_size={batch_size}; no batch could ever form')
+    if max_abs_reward is not None and (
+        isinstance(max_abs_reward, bool) or
+        not isinstance(max_abs_reward, numbers.Real) or
+        not 0 < max_abs_reward < math.inf):
+      raise ValueError('RolloutQueue: max_abs_reward must be a positive finite'
+                       f' number or None, got {max_abs_reward!r}')
+    if required_info is not None:
+      if not isinstance(required_info, Mapping):
+        raise ValueError('RolloutQueue: required_info must map info keys to'
+                         f' types, got {required_info!r}')
+      for key, kind in required_info.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not kinds or not all(isinstance(k, type) for k in kinds):
+          raise ValueError(f'RolloutQueue: required_info[{key!r}]={kind!r}'
+                           ' must be a type or a tuple of types')
     super().__init__(batch_size, max_staleness, vocab_size, max_length,
-                     group_size, capacity, logprob_tolerance)
+                     group_size, capacity, logprob_tolerance, max_abs_reward,
+                     required_info)
     self._loop = loop
     # Futures of waiting coroutines; a dict keeps wake-up order deterministic.
     self._waiters: dict[asyncio.Future, None] = {}
@@ -281,7 +310,9 @@ class RolloutQueue(queue_state.QueueState):
       reason = trajectory_checks.rejection_reason(
           traj, vocab_size=self.vocab_size, max_length=self.max_length,
           newest_version=max(self._rollout_version, self._learner_version),
-          logprob_tolerance=self.logprob_tolerance)
+          logprob_tolerance=self.logprob_tolerance,
+          max_abs_reward=self.max_abs_reward,
+          required_info=self.required_info)
       group = queue_state.group_key(traj) if self.group_size > 1 else None
       if reason is None and self.group_size > 1:
         reason = self._group_reason(lease, group)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sao_jax.rollout import trajectory
@@ -35,6 +36,9 @@ _log = logging.getLogger(__package__ + '.queue')
 _LOUD_REJECTIONS = 5
 # Group ids remembered as released or failed, to drop their late members.
 _GROUP_MEMORY = 65536
+# The most characters of a prompt id a rejection's log line shows: the id of a
+# rejected trajectory is whatever a buggy worker put there.
+_LOGGED_ID_CHARS = 200
 
 _INT_COUNTERS = (
     'admitted', 'put', 'accepted', 'rejected', 'cancelled', 'consumed',
@@ -59,7 +63,8 @@ class QueueState:
 
   def __init__(self, batch_size: int, max_staleness: int, vocab_size: int,
                max_length: int, group_size: int, capacity: int | None,
-               logprob_tolerance: float):
+               logprob_tolerance: float, max_abs_reward: float | None = None,
+               required_info: Mapping[str, Any] | None = None):
     """Empty books at learner and rollout version 0 (arguments: see
     `RolloutQueue`, which checks them)."""
     self.batch_size = int(batch_size)
@@ -69,6 +74,11 @@ class QueueState:
     self.group_size = int(group_size)
     self.capacity = None if capacity is None else int(capacity)
     self.logprob_tolerance = float(logprob_tolerance)
+    self.max_abs_reward = (None if max_abs_reward is None else
+                           float(max_abs_reward))
+    # A copy: the caller's mapping changing later must not change the gate.
+    self.required_info = (None if required_info is None else
+                          dict(required_info))
 
     self._learner_version = 0
     self._rollout_version = 0
@@ -130,8 +140,8 @@ class QueueState:
   def _group_reason(self, lease: queue_lib.Lease, group) -> str | None:
     if group is None:
       return 'missing_group_id'
-    if group is _UNHASHABLE:
-      return 'malformed'
+    if group is _BAD_GROUP:  # `rejection_reason` rejects these first
+      return 'bad_group_id'
     if lease.group_id is not None and group != lease.group_id:
       return 'group_mismatch'
     if self._finished_groups.get(group) == 'released':
@@ -145,14 +155,14 @@ class QueueState:
     self._release_slots(lease, 1)
     count = self._rejected[reason]
     level = logging.WARNING if count <= _LOUD_REJECTIONS else logging.DEBUG
-    _log.log(level, 'rollout queue rejected a trajectory of prompt %r: %s'
-             ' (%d so far)%s', getattr(traj, 'prompt_id', None), reason, count,
+    _log.log(level, 'rollout queue rejected a trajectory of prompt %s: %s'
+             ' (%d so far)%s', _describe_prompt(traj), reason, count,
              '; further ones at DEBUG' if count == _LOUD_REJECTIONS else '')
     if self.group_size > 1:
       # The lost member's group cannot complete: drop its queued members now
       # rather than when the lease resolves.
       lost = lease.group_id
-      if lost is None and group not in (None, _UNHASHABLE):
+      if lost is None and group is not None and group is not _BAD_GROUP:
         lost = group
       if lost is not None and self._finished_groups.get(lost) != 'released':
         self._fail_group(lost)
@@ -339,14 +349,36 @@ class QueueState:
         {int(k): int(v) for k, v in state['staleness'].items()})
 
 
-_UNHASHABLE = object()
+# The group key of a trajectory whose group id is neither None nor a str.
+_BAD_GROUP = object()
 
 
 def group_key(traj) -> Any:
-  """The group id as a dict key; `_UNHASHABLE` if it cannot be one."""
-  group = getattr(traj, 'group_id', None)
+  """The group id (None or a str) as a dict key; `_BAD_GROUP` if it is
+  anything else. Never raises: it runs before the trajectory is judged."""
   try:
-    hash(group)
-  except TypeError:
-    return _UNHASHABLE
-  return group
+    group = getattr(traj, 'group_id', None)
+    if group is None:
+      return None
+    if isinstance(group, str):
+      # A plain copy: a str subclass's own hash or == could raise in the
+      # group dicts, long after the trajectory was judged.
+      return str.__str__(group)
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass
+  return _BAD_GROUP
+
+
+def _describe_prompt(traj) -> str:
+  """The prompt id of a rejected trajectory for a log line, whatever it is:
+  never raises, never floods the log."""
+  try:
+    prompt_id = getattr(traj, 'prompt_id', None)
+    if isinstance(prompt_id, str):
+      plain = str.__str__(prompt_id)  # past any override of a str subclass
+      if len(plain) > _LOGGED_ID_CHARS:
+        return repr(plain[:_LOGGED_ID_CHARS]) + '...'
+      return repr(plain)
+    return f'<{type(prompt_id).__name__}>'
+  except Exception:  # pylint: disable=broad-exception-caught
+    return '<unreadable>'

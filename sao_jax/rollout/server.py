@@ -5,12 +5,20 @@ service (Decode, HealthCheck) and our `sao_jax.Admin` service (UpdateWeights,
 Status). Unlike `jetstream.core.server_lib`, it binds without SO_REUSEPORT (so
 a second server on a busy port fails loudly instead of silently sharing it),
 listens on loopback unless told otherwise, and stops gracefully.
+
+The admin service checks the secret before it looks at a request's bytes (an
+unauthenticated caller learns nothing but UNAUTHENTICATED), then answers a
+malformed request with INVALID_ARGUMENT. `UpdateWeights` loads only
+checkpoints under the server's `weights_root` (the learner's
+`<workdir>/weights`): the secret lets a caller swap the model, not read any
+file the server can.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from concurrent import futures
@@ -29,14 +37,41 @@ class PortInUseError(RuntimeError):
   """The requested port could not be bound."""
 
 
+def weights_path(root: str, path: str) -> str | None:
+  """`path` resolved (symlinks, `..`), if it lies in directory `root`.
+
+  Returns:
+    The real path to load (so that what was checked is what gets read), or
+    None when `path` resolves outside `root`'s real path.
+  """
+  real_root = os.path.realpath(root)
+  real = os.path.realpath(path)
+  # commonpath compares whole components: '/a/bc' is not under '/a/b'.
+  if os.path.commonpath([real_root, real]) != real_root:
+    return None
+  return real
+
+
 class RolloutServer:
   """JetStream Orchestrator + Admin services around one `engine.Engine`."""
 
   def __init__(self, engine: engine_lib.Engine, *, port: int,
                secret: str, host: str = '127.0.0.1',
-               threads: int | None = None):
+               threads: int | None = None, weights_root: str | None = None):
+    """Starts serving on `host:port` (0: a free port, see `self.port`).
+
+    Args:
+      engine: the engine to serve.
+      port: the port.
+      secret: the admin secret.
+      host: the bind address.
+      threads: gRPC worker threads; default twice the decode slots, >= 16.
+      weights_root: the directory `UpdateWeights` may load checkpoints from;
+        None refuses every `UpdateWeights`.
+    """
     self.engine = engine
     self._secret = secret
+    self._weights_root = weights_root
     self._swaps: list[float] = []
     self._driver = orchestrator.Driver(
         prefill_engines=[engine], generate_engines=[engine],
@@ -80,33 +115,51 @@ class RolloutServer:
 
   def _admin_handler(self):
     def unary(fn):
+      # No request deserializer: the handler gets the raw bytes and decodes
+      # them only after the secret is checked.
       return grpc.unary_unary_rpc_method_handler(
-          fn, request_deserializer=weight_sync._decode,  # pylint: disable=protected-access
-          response_serializer=weight_sync._encode)  # pylint: disable=protected-access
+          fn, response_serializer=weight_sync._encode)  # pylint: disable=protected-access
 
     return grpc.method_handlers_generic_handler(weight_sync.SERVICE, {
         'UpdateWeights': unary(self._update_weights),
         'Status': unary(self._status),
     })
 
-  async def _check(self, context):
+  async def _admit(self, request: bytes, context) -> dict:
+    """The decoded request of an authenticated caller; aborts otherwise."""
     if not weight_sync.authorized(context, self._secret):
       await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           'wrong or missing admin secret')
+    try:
+      return weight_sync._decode(request)  # pylint: disable=protected-access
+    except ValueError as e:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
   async def _update_weights(self, request, context):
-    await self._check(context)
+    request = await self._admit(request, context)
     path, version = request.get('path'), request.get('version')
-    if not isinstance(path, str) or not isinstance(version, int):
+    # bool is an int to isinstance; a version of True is a caller's bug.
+    if (not isinstance(path, str) or not path or isinstance(version, bool)
+        or not isinstance(version, int) or version < 0):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          'UpdateWeights needs {"path": str, "version": int}')
+                          'UpdateWeights needs {"path": str, "version": int'
+                          ' >= 0}')
+    if self._weights_root is None:
+      await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          'this server was started without --weights_root:'
+                          ' it loads no pushed weights')
+    real = weights_path(self._weights_root, path)
+    if real is None:
+      await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f'{path} is not under the weights root'
+                          f' {self._weights_root}')
     start = time.perf_counter()
     loop = asyncio.get_running_loop()
     try:
       state = await loop.run_in_executor(
-          None, weight_sync.load_policy, path, self.engine.abstract_state())
+          None, weight_sync.load_policy, real, self.engine.abstract_state())
     except Exception as e:  # pylint: disable=broad-except
-      _log.exception('loading weights from %s failed', path)
+      _log.exception('loading weights from %s failed', real)
       await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f'cannot load {path}: {e}')
     self.engine.weights.swap(state, version)
@@ -117,8 +170,7 @@ class RolloutServer:
     return {'version': version, 'seconds': seconds}
 
   async def _status(self, request, context):
-    del request
-    await self._check(context)
+    await self._admit(request, context)
     cfg = self.engine.config
     return {
         'version': self.engine.version,
@@ -128,6 +180,12 @@ class RolloutServer:
         'samples_per_slot': cfg.samples_per_slot,
         'max_prefill_length': cfg.max_prefill_length,
         'max_target_length': cfg.max_target_length,
+        # The distribution mu_t is drawn from, for the learner to compare
+        # with its own (a mismatch skews every importance ratio silently).
+        'temperature': cfg.sampling.temperature,
+        'top_k': cfg.sampling.top_k,
+        'top_p': cfg.sampling.top_p,
+        'generate_loop_restarts': jetstream_compat.GENERATE_LOOP_RESTARTS,
         'live': self._driver.live,
     }
 

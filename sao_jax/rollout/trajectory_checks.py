@@ -3,23 +3,28 @@
 Workers hand the queue whatever their episodes produced, and a worker bug (or
 a server returning garbage) must cost that trajectory, not the learner: a
 NaN log-prob or an out-of-range token would poison a whole batch, a version
-from the future would defeat the staleness bound. The rollout queue checks
-every trajectory it is given with `rejection_reason`, then against its GRPO
-groups, and counts rejections by reason: its `stats()` has one
-`rejected/<reason>` per entry of `REJECT_REASONS`.
+from the future would defeat the staleness bound, a reward beyond float32 or
+an unhashable prompt id would crash or skip the step that trains on it. The
+queue is the one gate: everything the trainer and learner read from a
+trajectory (arrays, reward, ids, the info keys they need) is checked here, so
+that a bad row costs itself and never the good rows of its batch. The rollout
+queue checks every trajectory it is given with `rejection_reason`, then
+against its GRPO groups, and counts rejections by reason: its `stats()` has
+one `rejected/<reason>` per entry of `REJECT_REASONS`.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 
 import numpy as np
 
 from sao_jax.rollout import trajectory
 
 # Why a trajectory was rejected; the queue's `stats()` has one
-# `rejected/<reason>` each. The last three (and 'malformed' for a group id
-# that is no dict key) are the queue's own group checks.
+# `rejected/<reason>` each. The last three are the queue's own group checks.
 REJECT_REASONS = (
     'malformed',  # not a Trajectory, arrays of wrong rank or dtype
     'inconsistent_lengths',  # the per-token arrays differ in length
@@ -30,18 +35,41 @@ REJECT_REASONS = (
     'future_version',  # an action version newer than any that exists yet
     'bad_logprobs',  # an action log-prob non-finite or > tolerance
     'non_finite_reward',  # NaN, inf or not a number
+    # Not representable as a finite float32 (batches hold rewards as float32,
+    # where 1e39 is inf and skips the whole update), or beyond max_abs_reward.
+    'reward_out_of_range',
+    'bad_prompt_id',  # not a str (running-mean slots and metrics hash it)
+    'bad_group_id',  # neither None nor a str (GRPO groups key on it)
+    'bad_info',  # not a dict, or a required key missing or of the wrong type
     'missing_group_id',  # group_size > 1 and group_id is None
     'group_mismatch',  # not the group the lease was admitted for
     'group_overflow',  # a member of a group already released to the learner
 )
 
 
+# The largest finite float32: batches hold rewards as float32.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def rejection_reason(traj, *, vocab_size: int, max_length: int,
                      newest_version: int,
-                     logprob_tolerance: float = 1e-3) -> str | None:
+                     logprob_tolerance: float = 1e-3,
+                     max_abs_reward: float | None = None,
+                     required_info: Mapping[str, type | tuple[type, ...]]
+                     | None = None) -> str | None:
   """Why `traj` cannot be trained on (one of `REJECT_REASONS`), or None.
 
-  Never raises: a worker bug must cost its trajectory, not the queue.
+  Never raises: a worker bug must cost its trajectory, not the queue. An
+  object that defeats the checks themselves (a property or `__float__` that
+  raises) is 'malformed'.
+
+  The reward must be a real number (a Python or numpy int, float or bool:
+  True is a reward of 1, as a correctness verdict often is) whose magnitude a
+  float32 holds and that is at most `max_abs_reward`. The prompt id must be a
+  str and the group id None or a str, both hashable. The info must be a dict
+  holding every key of `required_info` with a value of its type; a bool
+  passes only where bool itself is named (it is an int to `isinstance`, but
+  True is no task index).
 
   Args:
     traj: the candidate `Trajectory`.
@@ -50,7 +78,23 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
     newest_version: the newest policy version that exists; an action token
       claiming a newer one is corrupt.
     logprob_tolerance: behaviour log-probs above this are corrupt.
+    max_abs_reward: rewards of larger magnitude are corrupt (an environment
+      bug); None bounds them by float32 only.
+    required_info: info key -> the type (or tuple of types, as `isinstance`
+      takes) its value must have; None requires no key.
   """
+  try:
+    return _reason(traj, vocab_size, max_length, newest_version,
+                   logprob_tolerance, max_abs_reward, required_info)
+  except Exception:  # pylint: disable=broad-exception-caught
+    # Every check below guards what it touches; this is for objects whose
+    # attributes or dunders raise what no check foresaw.
+    return 'malformed'
+
+
+def _reason(traj, vocab_size, max_length, newest_version, logprob_tolerance,
+            max_abs_reward, required_info) -> str | None:
+  """`rejection_reason`, which may raise on adversarial objects."""
   if not isinstance(traj, trajectory.Trajectory):
     return 'malformed'
   try:
@@ -85,13 +129,62 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
   if (not np.all(np.isfinite(action_logprobs)) or
       np.any(action_logprobs > logprob_tolerance)):
     return 'bad_logprobs'
+  reason = _reward_reason(traj.reward, max_abs_reward)
+  if reason is not None:
+    return reason
+  if not _is_key(traj.prompt_id):
+    return 'bad_prompt_id'
+  if traj.group_id is not None and not _is_key(traj.group_id):
+    return 'bad_group_id'
+  return _info_reason(traj.info, required_info)
+
+
+def _reward_reason(reward, max_abs_reward) -> str | None:
+  # Only real scalars: a string would parse, and a one-element array would
+  # convert here but break the batch's reward column.
+  if not isinstance(reward, (numbers.Real, np.bool_)):
+    return 'non_finite_reward'
   try:
-    if isinstance(traj.reward, (str, bytes)):
-      raise TypeError('a reward is a number')
-    reward = float(traj.reward)
+    value = float(reward)
+  except OverflowError:  # an int (or Fraction) beyond any float
+    return 'reward_out_of_range'
   except (TypeError, ValueError):
     return 'non_finite_reward'
-  if not math.isfinite(reward):
+  if not math.isfinite(value):
     return 'non_finite_reward'
+  if abs(value) > _FLOAT32_MAX:
+    return 'reward_out_of_range'
+  if max_abs_reward is not None and abs(value) > max_abs_reward:
+    return 'reward_out_of_range'
   return None
 
+
+def _is_key(value) -> bool:
+  """Whether `value` is a str that hashes (a subclass may break `hash`)."""
+  if not isinstance(value, str):
+    return False
+  try:
+    hash(value)
+  except Exception:  # pylint: disable=broad-exception-caught
+    return False
+  return True
+
+
+def _info_reason(info, required_info) -> str | None:
+  # Metrics read optional keys with `info.get`, so a dict is needed even when
+  # no key is required.
+  if not isinstance(info, dict):
+    return 'bad_info'
+  for key, kind in (required_info or {}).items():
+    if key not in info:
+      return 'bad_info'
+    value = info[key]
+    if not isinstance(value, kind):
+      return 'bad_info'
+    if isinstance(value, bool) and not _names_bool(kind):
+      return 'bad_info'
+  return None
+
+
+def _names_bool(kind) -> bool:
+  return kind is bool or (isinstance(kind, tuple) and bool in kind)

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from sao_jax import errors
 from sao_jax.rollout.environments import jsonl_dataset
 
 _RECORDS = [
@@ -108,19 +109,63 @@ def test_duplicate_questions_share_a_split(tmp_path):
   assert train and evals and not train & evals
 
 
-@pytest.mark.parametrize('bad_line, message', [
-    ('{"question": "x", "answer": 1', 'not valid JSON'),
-    ('[1, 2]', 'expected a JSON object'),
-    ('{"question": "x"}', 'missing answer'),
-    ('{"answer": 3}', 'missing question'),
-    ('{"question": "", "answer": 3}', 'non-empty string'),
+@pytest.mark.parametrize('bad_line, where, message', [
+    # Cut short: the column is the end of this line, not 1 of the next.
+    ('{"question": "x", "answer": 1', '4:30', 'not valid JSON (Expecting'),
+    ('{"question": "x", "answer": 1}}', '4:31', 'not valid JSON (Extra data)'),
+    ('[1, 2]', '4', 'expected a JSON object'),
+    ('{"question": "x"}', '4', 'missing answer'),
+    ('{"answer": 3}', '4', 'missing question'),
+    ('{"question": "", "answer": 3}', '4',
+     'question must be a non-empty string'),
 ])
-def test_malformed_line_named(tmp_path, bad_line, message):
+def test_malformed_line_named(tmp_path, bad_line, where, message):
   path = _write(tmp_path / 'bad.jsonl', _RECORDS[:2], ['', bad_line])
   with pytest.raises(ValueError) as error:
     jsonl_dataset.JsonlEnvironment(path, cache_dir=str(tmp_path / 'cache'))
-  assert str(error.value).startswith(f'{path}:4: ')  # blank line 3 skipped
-  assert message in str(error.value)
+  # Blank line 3 is skipped but counted.
+  assert str(error.value).startswith(f'{path}:{where}: {message}')
+  assert isinstance(error.value, errors.UserError)
+
+
+def test_every_bad_line_is_listed(tmp_path):
+  path = str(tmp_path / 'bad.jsonl')
+  with open(path, 'wb') as f:
+    f.write(b'\xef\xbb\xbf{"question": "a", "answer": 1}\r\n')  # BOM, CRLF
+    f.write(b'{"question": "b", "answer": 2\r\n')
+    f.write(b'{"question": "caf\xc3\xa9 \xff", "answer": 3}\n')
+    f.write(b'{"answer": 4}\n')
+    f.write(b'  {"question": "d" "answer": 5}\n')
+  with pytest.raises(errors.UserError) as error:
+    jsonl_dataset.read_records(path)
+  assert str(error.value).splitlines() == [
+      f'{path}: 4 bad lines:',
+      f"  {path}:2:30: not valid JSON (Expecting ',' delimiter)",
+      f'  {path}:3:20: not UTF-8 (byte 0xff)',  # characters, not bytes
+      f'  {path}:4: missing question',
+      f"  {path}:5:20: not valid JSON (Expecting ',' delimiter)",
+  ]
+
+
+def test_a_long_list_of_bad_lines_is_cut(tmp_path):
+  path = _write(tmp_path / 'bad.jsonl', _RECORDS[:1], ['nope'] * 25)
+  with pytest.raises(errors.UserError) as error:
+    jsonl_dataset.read_records(path)
+  lines = str(error.value).splitlines()
+  assert lines[0] == f'{path}: 25 bad lines:'
+  assert lines[1] == f'  {path}:2:1: not valid JSON (Expecting value)'
+  assert lines[20] == f'  {path}:21:1: not valid JSON (Expecting value)'
+  assert lines[21:] == ['  ... and 5 more']
+
+
+def test_good_lines_keep_their_numbers_past_a_bom_and_crlf(tmp_path):
+  path = str(tmp_path / 'ok.jsonl')
+  with open(path, 'wb') as f:
+    f.write(b'\xef\xbb\xbf{"question": "a", "answer": 1}\r\n\r\n'
+            b'{"question": "b", "answer": "x\\ny"}\r\n')
+  records = jsonl_dataset.read_records(path)
+  assert [(r.line, r.question, r.answer) for r in records] == [
+      (1, 'a', 1), (3, 'b', 'x\ny')]
 
 
 def test_empty_file(tmp_path):

@@ -8,6 +8,7 @@ deterministic for a seed, and no test sleeps except the thread tests.
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import threading
@@ -26,9 +27,9 @@ MAX_LEN = 16
 
 
 def fake_traj(action_versions, *, prompt_len=2, reward=1.0, prompt_id='p',
-              group_id=None, logprob=-0.5):
+              group_id=None, logprob=-0.5, info=None):
   """`prompt_len` prompt tokens, then one action token per entry of
-  `action_versions`, sampled by that policy version."""
+  `action_versions`, sampled by that policy version; `info` defaults to {}."""
   n = len(action_versions)
   length = prompt_len + n
   tokens = (np.arange(length, dtype=np.int32) * 7 + 3) % VOCAB
@@ -39,7 +40,7 @@ def fake_traj(action_versions, *, prompt_len=2, reward=1.0, prompt_id='p',
   return trajectory.Trajectory(
       prompt_id=prompt_id, tokens=tokens, action_mask=mask,
       behavior_logprobs=logprobs, versions=versions, reward=reward,
-      group_id=group_id)
+      group_id=group_id, info={} if info is None else info)
 
 
 async def settle(ticks=20):
@@ -461,6 +462,225 @@ def test_rejections_log_loudly_a_few_times_then_at_debug(caplog):
   levels = [r.levelno for r in caplog.records]
   assert levels == [logging.WARNING] * 5 + [logging.DEBUG] * 3
   assert 'non_finite_reward' in caplog.records[0].getMessage()
+
+
+# ------------------------------------------- the queue is the one gate
+
+
+class _Hostile:
+  """Raises on every use a check or a log line could make of it."""
+
+  def __getattr__(self, name):
+    raise RuntimeError(f'no {name}')
+
+  def __repr__(self):
+    raise RuntimeError('no repr')
+
+  def __float__(self):
+    raise RuntimeError('no float')
+
+  def __hash__(self):
+    raise RuntimeError('no hash')
+
+
+class _BadHashStr(str):
+
+  def __hash__(self):
+    raise RuntimeError('no hash')
+
+
+def _gated(index=0, **kwargs):
+  """A trajectory the trainer's queue accepts: it reads info['task_index']."""
+  return fake_traj([2], info={'task_index': index}, **kwargs)
+
+
+def _bad_row(kind):
+  """(reason, trajectory) of what the trainer would choke on downstream."""
+  traj = _gated()
+  if kind == 'reward_beyond_float32':
+    traj.reward = 1e39  # inf in the batch's float32: a skipped update
+    return 'reward_out_of_range', traj
+  if kind == 'negative_reward_beyond_float32':
+    traj.reward = np.float64(-1e39)
+    return 'reward_out_of_range', traj
+  if kind == 'absurd_finite_reward':
+    traj.reward = 1e30  # a float32, but beyond max_abs_reward
+    return 'reward_out_of_range', traj
+  if kind == 'int_reward_beyond_float':
+    traj.reward = 10**400  # float() raises OverflowError
+    return 'reward_out_of_range', traj
+  if kind == 'reward_whose_float_raises':
+    traj.reward = _Hostile()
+    return 'non_finite_reward', traj
+  if kind == 'array_reward':
+    traj.reward = np.array([1.0])  # would break the batch's reward column
+    return 'non_finite_reward', traj
+  if kind == 'list_prompt_id':
+    traj.prompt_id = ['p']  # unhashable: metrics and slots hash it
+    return 'bad_prompt_id', traj
+  if kind == 'int_prompt_id':
+    traj.prompt_id = 7
+    return 'bad_prompt_id', traj
+  if kind == 'unhashable_str_prompt_id':
+    traj.prompt_id = _BadHashStr('p')
+    return 'bad_prompt_id', traj
+  if kind == 'list_group_id':
+    traj.group_id = ['g']
+    return 'bad_group_id', traj
+  if kind == 'missing_task_index':
+    traj.info = {}
+    return 'bad_info', traj
+  if kind == 'str_task_index':
+    traj.info = {'task_index': '3'}
+    return 'bad_info', traj
+  if kind == 'bool_task_index':
+    traj.info = {'task_index': True}
+    return 'bad_info', traj
+  if kind == 'float_task_index':
+    traj.info = {'task_index': 3.0}
+    return 'bad_info', traj
+  if kind == 'info_none':
+    traj.info = None
+    return 'bad_info', traj
+  if kind == 'hostile_object':
+    return 'malformed', _Hostile()
+  raise ValueError(kind)
+
+
+@pytest.mark.parametrize('kind', [
+    'reward_beyond_float32', 'negative_reward_beyond_float32',
+    'absurd_finite_reward', 'int_reward_beyond_float',
+    'reward_whose_float_raises', 'array_reward', 'list_prompt_id',
+    'int_prompt_id', 'unhashable_str_prompt_id', 'list_group_id',
+    'missing_task_index', 'str_task_index', 'bool_task_index',
+    'float_task_index', 'info_none', 'hostile_object'])
+def test_a_bad_row_is_rejected_and_never_costs_the_good_rows(kind, caplog):
+  """Everything the trainer reads is checked at `put`, which returns False
+  and counts the reason instead of raising; the rows around it still make a
+  full batch that assembles into finite float32 arrays."""
+  reason, bad = _bad_row(kind)
+
+  async def main():
+    queue = queue_lib.RolloutQueue(
+        4, 1, VOCAB, MAX_LEN, max_abs_reward=1e6,
+        required_info={'task_index': int})
+    queue.set_learner_version(2)
+    queue.set_rollout_version(2)
+    lease = await queue.admit(4)
+    assert await lease.put(_gated(0, prompt_id='good0')) is True
+    assert await lease.put(bad) is False
+    assert await lease.put(_gated(1, prompt_id='good1')) is True
+    assert await lease.put(_gated(2, prompt_id='good2', reward=-1e6)) is True
+    lease = await queue.admit(1)
+    assert await lease.put(_gated(3, prompt_id='good3')) is True
+    batch = await queue.get_batch()
+    return queue.stats(), batch
+
+  with caplog.at_level(logging.WARNING, logger=queue_lib.__name__):
+    stats, batch = asyncio.run(main())
+  assert [t.prompt_id for t in batch] == ['good0', 'good1', 'good2', 'good3']
+  assert {t.info['task_index'] for t in batch} == {0, 1, 2, 3}
+  assembled = batching.assemble_batch(batch, max_length=MAX_LEN, pad_id=0)
+  assert np.all(np.isfinite(assembled.reward_B))
+  assert stats[f'rejected/{reason}'] == 1
+  assert stats['rejected'] == 1
+  assert stats['put'] == 5 and stats['accepted'] == 4
+  assert stats['in_flight'] == 0
+  assert_accounting(stats)
+  assert reason in caplog.records[0].getMessage()
+
+
+def test_reward_bounds_default_to_float32_and_accept_bools():
+  check = functools.partial(trajectory_checks.rejection_reason,
+                            vocab_size=VOCAB, max_length=MAX_LEN,
+                            newest_version=2)
+  assert check(fake_traj([2], reward=1e30)) is None  # no max_abs_reward
+  assert check(fake_traj([2], reward=1e39)) == 'reward_out_of_range'
+  assert check(fake_traj([2], reward=-(10**400))) == 'reward_out_of_range'
+  assert check(fake_traj([2], reward=1e6), max_abs_reward=1e6) is None
+  assert check(fake_traj([2], reward=-1e6 * 1.001),
+               max_abs_reward=1e6) == 'reward_out_of_range'
+  # A correctness verdict is a reward of 0 or 1.
+  assert check(fake_traj([2], reward=True)) is None
+  assert check(fake_traj([2], reward=np.bool_(False))) is None
+  assert check(fake_traj([2], reward=np.float32(0.5))) is None
+  assert check(fake_traj([2], reward=np.int64(3))) is None
+  assert check(fake_traj([2], reward=None)) == 'non_finite_reward'
+
+
+def test_required_info_types():
+  check = functools.partial(trajectory_checks.rejection_reason,
+                            vocab_size=VOCAB, max_length=MAX_LEN,
+                            newest_version=2)
+  assert check(fake_traj([2], info={'task_index': 3}),
+               required_info={'task_index': int}) is None
+  assert check(fake_traj([2]), required_info=None) is None
+  assert check(fake_traj([2], info={'correct': True}),
+               required_info={'correct': bool}) is None
+  assert check(fake_traj([2], info={'x': True}),
+               required_info={'x': (int, bool)}) is None
+  assert check(fake_traj([2], info={'x': 1.5}),
+               required_info={'x': (int, float)}) is None
+  assert check(fake_traj([2], info={'x': 'a'}),
+               required_info={'x': (int, float)}) == 'bad_info'
+  bad = fake_traj([2])
+  bad.info = [('task_index', 3)]  # not a dict, even with nothing required
+  assert check(bad) == 'bad_info'
+  assert check(fake_traj([2], group_id='g')) is None
+
+
+def test_queue_refuses_bad_reward_bounds_and_info_specs():
+  for bound in (0, -1.0, float('inf'), float('nan'), True, '1e6'):
+    with pytest.raises(ValueError, match='max_abs_reward'):
+      queue_lib.RolloutQueue(2, 1, VOCAB, MAX_LEN, max_abs_reward=bound)
+  for spec in (['task_index'], {'task_index': 'int'}, {'task_index': ()},
+               {'task_index': (int, 'str')}):
+    with pytest.raises(ValueError, match='required_info'):
+      queue_lib.RolloutQueue(2, 1, VOCAB, MAX_LEN, required_info=spec)
+  spec = {'task_index': int}
+  queue = queue_lib.RolloutQueue(2, 1, VOCAB, MAX_LEN, max_abs_reward=10,
+                                 required_info=spec)
+  spec['other'] = str  # the queue keeps its own copy
+  assert queue.required_info == {'task_index': int}
+  assert queue.max_abs_reward == 10.0
+
+
+def test_rejection_log_line_is_bounded_and_safe(caplog):
+
+  async def main():
+    queue = queue_lib.RolloutQueue(3, 1, VOCAB, MAX_LEN)
+    lease = await queue.admit(3)
+    assert not await lease.put(fake_traj([0], prompt_id='x' * 10**6,
+                                         reward=np.nan))
+    assert not await lease.put(fake_traj([0], prompt_id=['p']))
+    assert not await lease.put(_Hostile())
+
+  with caplog.at_level(logging.WARNING, logger=queue_lib.__name__):
+    asyncio.run(main())
+  messages = [r.getMessage() for r in caplog.records]
+  assert len(messages) == 3
+  assert len(messages[0]) < 400
+  assert 'prompt <list>: bad_prompt_id' in messages[1]
+  assert 'prompt <unreadable>: malformed' in messages[2]
+
+
+def test_a_bad_group_id_in_a_group_lease_drops_the_group():
+
+  async def main():
+    queue = queue_lib.RolloutQueue(2, 1, VOCAB, MAX_LEN, group_size=2)
+    lease = await queue.admit(2, group_id='g')
+    assert await lease.put(fake_traj([0], group_id='g'))
+    assert not await lease.put(fake_traj([0], group_id=['g']))
+    lease = await queue.admit(2)  # no group named at admission
+    assert not await lease.put(fake_traj([0], group_id={'g': 1}))
+    assert not await lease.put(fake_traj([0], group_id=_Hostile()))
+    return queue.stats()
+
+  stats = asyncio.run(main())
+  assert stats['rejected/bad_group_id'] == 3
+  assert stats['dropped_groups'] == 1 and stats['dropped_incomplete_group'] == 1
+  assert stats['queued'] == stats['in_flight'] == 0
+  assert_accounting(stats)
 
 
 # ------------------------------------------------------------------ groups

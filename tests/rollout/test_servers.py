@@ -4,12 +4,18 @@ Checks what the rollout path promises: tokens decode to text, streamed mu_t
 equal the learner's recomputation, a weight push mid-stream switches the
 version column from the next step on (and both versions' log-probs are right),
 a SIGKILLed server loses no request, and the admin service refuses a wrong
-secret.
+secret, a malformed request and a path outside the weights root. A server
+started with `--parent_pid` exits when that process dies.
 """
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import grpc
 import jax
@@ -17,11 +23,13 @@ import numpy as np
 import pytest
 
 import sao_jax.models
+from sao_jax import errors
 from sao_jax.models import sampling
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes
 from sao_jax.rollout import local_servers
 from sao_jax.rollout import queue as queue_lib
+from sao_jax.rollout import server as server_lib
 from sao_jax.rollout import weight_sync
 from sao_jax.rollout import workers
 from sao_jax.rollout.environments import base
@@ -49,14 +57,59 @@ def test_server_argv_gives_each_server_its_index_and_the_restart():
                                                        '--restart=0']
 
 
+def test_server_argv_names_the_weights_root_and_the_parent():
+  argv = local_servers.server_argv('c.py', 0, weights_root='w',
+                                   parent_pid=42)
+  assert f'--weights_root={os.path.abspath("w")}' in argv
+  assert '--parent_pid=42' in argv
+
+
+def test_read_secret_strips_whitespace(monkeypatch, tmp_path):
+  secret = 'sixteen-chars-ok'
+  monkeypatch.setenv(weight_sync.SECRET_ENV, f'  {secret}\n')
+  assert weight_sync.read_secret() == secret
+  (tmp_path / 'secret').write_text(f'{secret}\n')
+  assert weight_sync.read_secret(str(tmp_path / 'secret')) == secret
+  monkeypatch.setenv(weight_sync.SECRET_ENV, 'fifteen-chars!!\n')
+  with pytest.raises(errors.UserError, match='has 15 characters'):
+    weight_sync.read_secret()
+  monkeypatch.setenv(weight_sync.SECRET_ENV, ' \n')
+  with pytest.raises(errors.UserError, match='no admin secret'):
+    weight_sync.read_secret()
+  with pytest.raises(errors.UserError, match='cannot read the admin secret'):
+    weight_sync.read_secret(str(tmp_path / 'missing'))
+
+
+def test_weights_path_stays_under_the_root(tmp_path):
+  root = tmp_path / 'run' / 'weights'
+  (root / 'v1').mkdir(parents=True)
+  (tmp_path / 'run' / 'weightsx').mkdir()
+  os.symlink(tmp_path, root / 'escape')
+  real = os.path.realpath(root / 'v1')
+  assert server_lib.weights_path(str(root), str(root / 'v1')) == real
+  assert server_lib.weights_path(str(root), f'{root}/x/../v1') == real
+  # Through a symlink to the root, still inside.
+  os.symlink(root, tmp_path / 'alias')
+  assert server_lib.weights_path(str(tmp_path / 'alias'),
+                                 str(root / 'v1')) == real
+  for outside in (f'{root}x/v1', f'{root}/../weightsx', f'{root}/../../..',
+                  str(root / 'escape' / 'run'), '/etc/passwd'):
+    assert server_lib.weights_path(str(root), outside) is None, outside
+
+
 @pytest.fixture(scope='module')
-def servers(tiny_checkpoint_no_eos, tmp_path_factory):
+def weights_root(tmp_path_factory):
+  return tmp_path_factory.mktemp('weights')
+
+
+@pytest.fixture(scope='module')
+def servers(tiny_checkpoint_no_eos, tmp_path_factory, weights_root):
   started = local_servers.start(
       os.path.join(ROOT, 'configs', 'default.py'), count=2, secret=SECRET,
       log_dir=str(tmp_path_factory.mktemp('server_logs')),
       overrides=(f'--config.model.source={tiny_checkpoint_no_eos}',
                  *SERVER_FLAGS),
-      env=dict(JAX_PLATFORMS='cpu'))
+      env=dict(JAX_PLATFORMS='cpu'), weights_root=str(weights_root))
   yield [(s.process, s.address) for s in started]
   local_servers.stop(started)
   for server in started:
@@ -88,14 +141,14 @@ def pool_for(addresses, tok):
 
 @pytest.mark.slow
 def test_servers_stream_text_logprobs_and_weight_updates(servers, policy,
-                                                         tmp_path):
+                                                         weights_root):
   model, tok = policy
   addresses = [address for _, address in servers]
   prompts = prompts_for(tok, 8)
   perturbed = jax.tree.map(lambda x: x * 1.5,
                            sao_jax.models.pretrained.flat_params(model))
   new_model = sao_jax.models.pretrained.build(model.config, perturbed)
-  weight_sync.save_policy(str(tmp_path / 'v1'), new_model)
+  weight_sync.save_policy(str(weights_root / 'stream_v1'), new_model)
 
   async def main():
     async with pool_for(addresses, tok) as pool:
@@ -104,7 +157,7 @@ def test_servers_stream_text_logprobs_and_weight_updates(servers, policy,
       tasks = [asyncio.create_task(pool.generate(p, 400)) for p in prompts]
       await asyncio.sleep(0.3)
       push = await weight_sync.WeightPublisher(addresses, SECRET).push(
-          str(tmp_path / 'v1'), 1)
+          str(weights_root / 'stream_v1'), 1)
       second = await asyncio.gather(*tasks)
       statuses = [await weight_sync.server_status(a, SECRET) for a in addresses]
       return first, push, second, statuses, dict(pool.counters)
@@ -142,6 +195,123 @@ def test_admin_refuses_a_wrong_secret(servers, tmp_path):
   assert push.failed == {address: 'UNAUTHENTICATED'}
 
 
+def admin_call(address, name, body: bytes, secret=SECRET):
+  """A raw admin call: `body` goes out as is, the reply is decoded."""
+
+  async def call():
+    async with grpc.aio.insecure_channel(address) as channel:
+      return await channel.unary_unary(
+          weight_sync.method(name),
+          response_deserializer=weight_sync._decode)(  # pylint: disable=protected-access
+              body, metadata=((weight_sync.SECRET_HEADER, secret),),
+              timeout=60)
+
+  return asyncio.run(call())
+
+
+def admin_error(address, name, body: bytes, secret=SECRET):
+  with pytest.raises(grpc.RpcError) as info:
+    admin_call(address, name, body, secret)
+  return info.value.code(), info.value.details()
+
+
+def update(path, version=7) -> bytes:
+  return json.dumps({'path': str(path), 'version': version}).encode()
+
+
+@pytest.mark.slow
+def test_admin_checks_the_secret_then_the_request(servers, weights_root,
+                                                  tmp_path):
+  address = servers[1][1]  # servers[0] is SIGKILLed by a test below
+  # The secret first: a stranger learns nothing about the request format.
+  for name in ('UpdateWeights', 'Status'):
+    code, _ = admin_error(address, name, b'not json', 'wrong-secret-12345')
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+  # Then the body, with a short reason and no Python internals.
+  for name, body in (('UpdateWeights', b'not json'), ('Status', b'not json'),
+                     ('UpdateWeights', b'\xff\xfe'), ('UpdateWeights', b'[]'),
+                     ('Status', b'"x"'), ('UpdateWeights', b'{"path": 3}'),
+                     ('UpdateWeights', update(weights_root / 'v', True)),
+                     ('UpdateWeights', update(weights_root / 'v', -1)),
+                     ('UpdateWeights', update(weights_root / 'v', '1'))):
+    code, details = admin_error(address, name, body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, body, details)
+    assert 'Error' not in details and 'Traceback' not in details, details
+  # Then the path: only under the weights root, however it is spelled.
+  os.symlink(tmp_path, weights_root / 'escape')
+  (tmp_path / 'outside').mkdir()
+  for path in (tmp_path / 'outside',
+               f'{weights_root}/../{tmp_path.name}/outside',
+               f'{weights_root}/x/../../{weights_root.name}x',
+               weights_root / 'escape' / 'outside'):
+    code, details = admin_error(address, 'UpdateWeights', update(path))
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (path, details)
+    assert 'not under the weights root' in details
+  # A path inside that holds no checkpoint is a load failure, not a denial.
+  code, _ = admin_error(address, 'UpdateWeights',
+                        update(weights_root / 'missing'))
+  assert code == grpc.StatusCode.FAILED_PRECONDITION
+  status = admin_call(address, 'Status', b'')
+  assert status['temperature'] == PARAMS.temperature
+  assert (status['top_k'], status['top_p']) == (0, 1.0)
+  assert status['generate_loop_restarts'] == 0
+
+
+def pid_exited(pid: int) -> bool:
+  """Whether `pid` ended (a zombie too: a container's init may not reap)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rpartition(')')[2].split()[0] == 'Z'
+  except FileNotFoundError:
+    return True
+
+
+@pytest.mark.slow
+def test_server_exits_when_its_parent_is_killed(tmp_path):
+  # The parent: a small process that starts the server (whose ready line
+  # reaches us through the shared stdout) and then just waits.
+  parent_code = textwrap.dedent(f'''
+      import os, subprocess, sys, time
+      subprocess.Popen([sys.executable, '-m', 'sao_jax.serve',
+                        '--config=configs/tiny.py', '--port=0',
+                        f'--parent_pid={{os.getpid()}}'],
+                       stderr=open({str(tmp_path / 'server.log')!r}, 'w'))
+      time.sleep(600)
+  ''')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT,
+             **{weight_sync.SECRET_ENV: SECRET})
+  env.pop('XLA_FLAGS', None)  # one CPU device, not the test session's eight
+  parent = subprocess.Popen([sys.executable, '-c', parent_code], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, text=True)
+  server_pid = None
+  try:
+    line = parent.stdout.readline()
+    assert line, (tmp_path / 'server.log').read_text()[-3000:]
+    ready = json.loads(line)
+    server_pid = ready['pid']
+    address = f'127.0.0.1:{ready["port"]}'
+    # Started without --weights_root: no push is loaded.
+    code, details = admin_error(address, 'UpdateWeights',
+                                update(tmp_path / 'v1'))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert '--weights_root' in details
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while not pid_exited(server_pid) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert pid_exited(server_pid), 'the server outlived its parent'
+    log = (tmp_path / 'server.log').read_text()
+    assert 'is gone: stopping' in log, log[-3000:]
+  finally:
+    if parent.poll() is None:
+      parent.kill()
+      parent.wait()
+    parent.stdout.close()
+    if server_pid is not None and not pid_exited(server_pid):
+      os.kill(server_pid, signal.SIGKILL)
+
+
 class TwoTurnEnv(base.Environment):
   """Turn 0 gets an observation back; turn 1 ends with reward 1 or 0."""
 
@@ -164,7 +334,7 @@ class TwoTurnEnv(base.Environment):
 @pytest.mark.slow
 def test_workers_fill_the_queue_and_survive_a_sigkilled_server(servers,
                                                                 policy,
-                                                                tmp_path):
+                                                                weights_root):
   model, tok = policy
   (victim, victim_address), (_, survivor_address) = servers
   batch_size, max_staleness, steps = 8, 1, 4
@@ -189,11 +359,11 @@ def test_workers_fill_the_queue_and_survive_a_sigkilled_server(servers,
                         deadline_s=120))
   publisher = weight_sync.WeightPublisher([victim_address, survivor_address],
                                           SECRET)
-  weight_sync.save_policy(str(tmp_path / 'weights'), model)
+  weight_sync.save_policy(str(weights_root / 'workers'), model)
   # An earlier test may have pushed other weights: serve `model` again.
   start = asyncio.run(weight_sync.server_status(survivor_address,
                                                 SECRET))['version'] + 1
-  assert not asyncio.run(publisher.push(str(tmp_path / 'weights'),
+  assert not asyncio.run(publisher.push(str(weights_root / 'workers'),
                                         start)).failed
   queue.set_learner_version(start)
   queue.set_rollout_version(start)
@@ -205,7 +375,8 @@ def test_workers_fill_the_queue_and_survive_a_sigkilled_server(servers,
       if step == 0:
         os.kill(victim.pid, signal.SIGKILL)  # requests are in flight now
       queue.set_learner_version(start + step + 1)
-      runner.call(publisher.push(str(tmp_path / 'weights'), start + step + 1))
+      runner.call(publisher.push(str(weights_root / 'workers'),
+                                 start + step + 1))
       queue.set_rollout_version(start + step + 1)
   finally:
     runner.stop()

@@ -2,7 +2,8 @@
 
 Each line of the file is a JSON object with `question`, `answer` (any JSON
 value) and an optional `id`; other keys travel as task metadata. The file is
-parsed and validated first (a bad line is reported as 'path:line: why'), then
+parsed and validated first (every bad line is reported, as 'path:line: why' or
+'path:line:column: why' for a JSON syntax error), then
 written by a `tfds.core.GeneratorBasedBuilder` to ArrayRecord files under
 `cache_dir/<key>/`, where the key hashes the file's bytes and the split
 settings: a later run with the same file reuses the prepared data, and an
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from sao_jax import errors
 from sao_jax.rollout.environments import answers
 from sao_jax.rollout.environments import arithmetic
 from sao_jax.rollout.environments import base
@@ -43,6 +45,8 @@ DEFAULT_CACHE_DIR = os.path.join(
     'sao_jax', 'jsonl_prompts')
 
 _REQUIRED = ('question', 'answer')
+# Bad lines listed in one error; the rest are counted.
+_MAX_LISTED = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,41 +62,78 @@ class Record:
 def read_records(path: str) -> list[Record]:
   """Parses and validates a JSONL prompt file.
 
-  Blank lines are skipped.
+  Blank lines are skipped; a UTF-8 byte order mark is allowed.
 
   Raises:
-    ValueError: naming the file and the 1-based line, for a line that is not
-      JSON, not an object, lacks `question` or `answer`, or has a question
-      that is not a non-empty string; and for an empty file.
+    errors.UserError: for an empty file, or listing every bad line (the first
+      `_MAX_LISTED`, then how many more), each as 'path:line: why', or
+      'path:line:column: why' where a column is known: not UTF-8, not JSON,
+      not an object, lacking `question` or `answer`, or with a question that
+      is not a non-empty string. A `ValueError`.
   """
-  records = []
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      where = f'{path}:{number}'
+  records, problems = [], []
+  with open(path, 'rb') as f:
+    for number, raw in enumerate(f, start=1):
+      if number == 1 and raw.startswith(b'\xef\xbb\xbf'):
+        raw = raw[3:]
       try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{where}: not valid JSON ({e.msg} at column'
-                         f' {e.colno})') from e
-      if not isinstance(obj, dict):
-        raise ValueError(f'{where}: expected a JSON object, got'
-                         f' {type(obj).__name__}')
-      missing = [k for k in _REQUIRED if k not in obj]
-      if missing:
-        raise ValueError(f'{where}: missing {", ".join(missing)}')
-      if not isinstance(obj['question'], str) or not obj['question'].strip():
-        raise ValueError(f'{where}: question must be a non-empty string')
-      record_id = obj.get('id')
-      records.append(Record(
-          line=number, question=obj['question'], answer=obj['answer'],
-          id=None if record_id is None else str(record_id),
-          metadata={k: v for k, v in obj.items()
-                    if k not in ('question', 'answer', 'id')}))
+        record = _parse_line(raw, number)
+      except _BadLine as e:
+        column = '' if e.column is None else f':{e.column}'
+        problems.append(f'{path}:{number}{column}: {e}')
+        continue
+      if record is not None:
+        records.append(record)
+  if len(problems) == 1:
+    raise errors.UserError(problems[0])
+  if problems:
+    listed = problems[:_MAX_LISTED]
+    if len(problems) > _MAX_LISTED:
+      listed.append(f'... and {len(problems) - _MAX_LISTED} more')
+    raise errors.UserError(f'{path}: {len(problems)} bad lines:\n  '
+                           + '\n  '.join(listed))
   if not records:
-    raise ValueError(f'{path}: no records')
+    raise errors.UserError(f'{path}: no records')
   return records
+
+
+class _BadLine(Exception):
+  """Why a line is not a record, and the 1-based column if one is known."""
+
+  def __init__(self, why: str, column: int | None = None):
+    super().__init__(why)
+    self.column = column
+
+
+def _parse_line(raw: bytes, number: int) -> Record | None:
+  """The record of one line (None for a blank line); raises `_BadLine`."""
+  # Without the line break: json places the end of a line cut short at
+  # column 1 of the next line.
+  raw = raw.rstrip(b'\r\n')
+  try:
+    line = raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise _BadLine(f'not UTF-8 (byte {raw[e.start]:#04x})',
+                   len(raw[:e.start].decode('utf-8')) + 1) from None
+  if not line.strip():
+    return None
+  try:
+    obj = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise _BadLine(f'not valid JSON ({e.msg})', e.colno) from None
+  if not isinstance(obj, dict):
+    raise _BadLine(f'expected a JSON object, got {type(obj).__name__}')
+  missing = [k for k in _REQUIRED if k not in obj]
+  if missing:
+    raise _BadLine(f'missing {", ".join(missing)}')
+  if not isinstance(obj['question'], str) or not obj['question'].strip():
+    raise _BadLine('question must be a non-empty string')
+  record_id = obj.get('id')
+  return Record(
+      line=number, question=obj['question'], answer=obj['answer'],
+      id=None if record_id is None else str(record_id),
+      metadata={k: v for k, v in obj.items()
+                if k not in ('question', 'answer', 'id')})
 
 
 def in_eval(question: str, eval_fraction: float) -> bool:
