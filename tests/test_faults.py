@@ -20,6 +20,8 @@ import pytest
 from sao_jax import metrics_log
 from sao_jax.rollout import local_servers
 
+import processes  # tests/processes.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
 ENV.pop('XLA_FLAGS', None)  # the trainer runs on one CPU device
@@ -76,31 +78,6 @@ def wait_for_step(process, workdir, step, timeout=300):
   pytest.fail(f'no step {step} within {timeout} s')
 
 
-def server_pids(trainer_pid):
-  """The `sao_jax.serve` processes started by trainer `trainer_pid`."""
-  pids = []
-  for name in os.listdir('/proc'):
-    if not name.isdigit():
-      continue
-    try:
-      with open(f'/proc/{name}/cmdline', 'rb') as f:
-        argv = f.read().decode(errors='replace').split('\0')
-    except OSError:
-      continue
-    if 'sao_jax.serve' in argv and f'--parent_pid={trainer_pid}' in argv:
-      pids.append(int(name))
-  return sorted(pids)
-
-
-def wait_until(predicate, timeout, what):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return
-    time.sleep(0.2)
-  pytest.fail(f'{what} within {timeout} s')
-
-
 def assert_accounted(record):
   """The queue's identity on one metrics record."""
   admitted = record['queue/admitted']
@@ -111,21 +88,11 @@ def assert_accounted(record):
 
 @pytest.mark.slow
 def test_stops_resumes_and_extends(tmp_path):
-  """SIGKILL of the trainer takes its servers with it; SIGTERM saves the step
-  reached, and the same command resumes it; a finished run extends."""
+  """SIGTERM saves the step reached, and the same command resumes it; a
+  finished run extends. (A SIGKILLed trainer: tests/test_train.py.)"""
   workdir = tmp_path / 'run'
   steps = ('--config.total_steps=6',)
-  # 1. SIGKILL of the trainer alone (not its process group): the servers
-  # notice their parent is gone and exit.
-  process = start(workdir, *steps)
-  wait_for_step(process, workdir, 1)
-  servers = server_pids(process.pid)
-  assert servers, 'no server process found'
-  process.kill()
-  process.communicate()
-  wait_until(lambda: not any(os.path.exists(f'/proc/{p}') for p in servers),
-             30, 'servers still running after the trainer was SIGKILLed')
-  # 2. SIGTERM in the middle: it saves the step reached and exits cleanly.
+  # SIGTERM in the middle: it saves the step reached and exits cleanly.
   process = start(workdir, *steps)
   wait_for_step(process, workdir, 2)
   process.send_signal(signal.SIGTERM)
@@ -135,11 +102,11 @@ def test_stops_resumes_and_extends(tmp_path):
   saved = sorted(int(d) for d in os.listdir(workdir / 'checkpoints')
                  if d.isdigit())
   assert saved and saved[-1] >= 2
-  # 3. The same command resumes (and rewrites the weights of that step).
+  # The same command resumes (and rewrites the weights of that step).
   resumed = run(workdir, *steps)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert trained_steps(workdir)[-1] == 6
-  # 4. A finished run, extended.
+  # A finished run, extended.
   extended = run(workdir, '--config.total_steps=8')
   assert extended.returncode == 0, extended.stderr[-3000:]
   assert trained_steps(workdir) == list(range(1, 9))
@@ -155,7 +122,7 @@ def test_servers_killed_and_hung_mid_run(tmp_path):
                   '--config.rollout.num_servers=2',
                   '--config.rollout.num_workers=8')
   wait_for_step(process, workdir, 2)
-  first, second = server_pids(process.pid)
+  first, second = processes.server_pids(process.pid)
   os.kill(first, signal.SIGSTOP)  # hung: pushes must not wait on it
   wait_for_step(process, workdir, 5)
   os.kill(first, signal.SIGCONT)
@@ -203,10 +170,20 @@ def test_starved_learner_stops_on_sigterm_and_reports_dead_servers(
   remote = (f'--config.rollout.server_addresses={dead_address()}',
             f'--config.rollout.admin_secret_file={secret_file}',
             '--config.log.progress=False')
+  # SIGTERM during start-up (loading the model, building the learner): the
+  # run stops at once, with nothing new to save.
+  process = start(tmp_path / 'starting', *remote)
+  time.sleep(8)
+  sent = time.monotonic()
+  process.send_signal(signal.SIGTERM)
+  out, err = process.communicate(timeout=60)
+  assert time.monotonic() - sent < 10, err[-3000:]
+  assert process.returncode in (0, -signal.SIGTERM), err[-3000:]
   # SIGTERM while waiting for data that never comes: within seconds.
   process = start(tmp_path / 'starved', *remote)
-  wait_until(lambda: os.path.exists(tmp_path / 'starved' / 'metrics.jsonl')
-             or process.poll() is not None, 120, 'no start')
+  processes.wait_until(
+      lambda: os.path.exists(tmp_path / 'starved' / 'metrics.jsonl') or
+      process.poll() is not None, 120, 'no start')
   time.sleep(5)  # well inside the wait for the first batch
   sent = time.monotonic()
   process.send_signal(signal.SIGTERM)

@@ -12,6 +12,8 @@ import pytest
 
 from sao_jax import metrics_log
 
+import processes  # tests/processes.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -73,8 +75,8 @@ def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
   # Reference: the same synchronous run, uninterrupted.
   reference = run_train(tmp_path / 'reference', *SYNC)
   assert reference.returncode == 0, reference.stderr[-4000:]
-  # Killed run: SIGKILL (no chance to save) after step 6, i.e. between the
-  # checkpoints of steps 4 and 8, servers and all (one process group).
+  # Killed run: SIGKILL (no chance to save) of the trainer alone (not its
+  # process group) after step 6, between the checkpoints of steps 4 and 8.
   workdir = tmp_path / 'killed'
   process = subprocess.Popen(
       train_command(workdir, *SYNC), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -87,8 +89,14 @@ def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
       break
     assert process.poll() is None, 'the run ended before it was killed'
     time.sleep(0.2)
-  os.killpg(process.pid, signal.SIGKILL)
+  servers = processes.server_pids(process.pid)
+  assert servers
+  process.kill()
   process.wait()
+  # Its servers notice that their parent is gone and exit by themselves.
+  processes.wait_until(
+      lambda: not any(os.path.exists(f'/proc/{p}') for p in servers), 30,
+      'servers still running after their trainer was SIGKILLed')
   checkpoints = sorted(int(d) for d in os.listdir(workdir / 'checkpoints')
                        if d.isdigit())
   assert checkpoints[-1] == 4
