@@ -421,7 +421,7 @@ def _json_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class StopRequested(BaseException):
-  """A stop was requested while the program waited (or started up).
+  """A stop was requested while the program waited.
 
   A BaseException, like KeyboardInterrupt, so that no `except Exception`
   on the way up swallows it.
@@ -447,17 +447,19 @@ class StopFlag:
 
   Two more ways to be prompt, for one process (with several, a stop must go
   through `should_stop` at the same step everywhere):
-    * `raise_immediately`: while set, the handler raises `StopRequested`
-      where the main thread is. Only for phases with nothing to save and
-      nothing a half-done operation can corrupt (start-up before the first
-      step: the state equals the checkpoint it came from), like Ctrl-C.
+    * `exit_immediately`: while set, the handler ends the process at once
+      with SIGTERM's default action, as if no handler were installed. Only
+      for phases with nothing to save (start-up before the first step: the
+      state equals the checkpoint it came from). Raising from the handler
+      instead would unwind through whatever native code the main thread was
+      in (an import, a compile), which crashed the interpreter at exit.
     * `raise_if_requested()`: called by blocking waits between their short
       polls, so that a starved queue or a hung weight push ends in seconds.
   """
 
   def __init__(self):
     self.signum: int | None = None
-    self.raise_immediately = False
+    self.exit_immediately = False
     self._previous: dict[int, Any] = {}
 
   def request_stop(self, signum: int = signal.SIGTERM) -> None:
@@ -467,9 +469,11 @@ class StopFlag:
   def _handle(self, signum, frame) -> None:
     del frame
     self.signum = signum
-    if self.raise_immediately:
-      self.raise_immediately = False  # a second signal must not interrupt
-      raise StopRequested(f'signal {signum}')
+    if self.exit_immediately:
+      os.write(2, b'stop requested during start-up: nothing to save yet;'
+               b' run the same command to resume\n')
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
 
   @property
   def requested(self) -> bool:

@@ -133,9 +133,9 @@ class _Rollouts:
 
   def start(self, policy_state, version: int) -> None:
     """Starts workers and supervision; servers join once they serve
-    `version` (written now when it is not the model source's, version 0)."""
-    if version > 0:
-      self.publisher.set_current(self._save(policy_state, version), version)
+    `version` (written now: a resume's servers, or remote ones left at
+    another run's version, load it before they get traffic)."""
+    self.publisher.set_current(self._save(policy_state, version), version)
     self.runner.start()
     if self.supervisor is not None:
       self.supervisor.start()
@@ -271,19 +271,19 @@ def run(config, workdir: str) -> RunResult:
   """Trains as `config` says, in `workdir` (resuming what is there).
 
   SIGTERM is honoured within seconds everywhere: during start-up (before the
-  first step, when the state equals the checkpoint it came from) it stops
-  at once; later, between steps or in any wait (a starved queue, a weight
+  first step, when the state equals the checkpoint it came from) the
+  process ends at once, by SIGTERM's default action; later, between steps or in any wait (a starved queue, a weight
   push), the step reached is saved and the run returns `stopped_early`.
   """
   _check_before_start(config, workdir)
   stop_flag = checkpointing.install_sigterm_handler()
-  stop_flag.raise_immediately = True
+  stop_flag.exit_immediately = True
   try:
     return _run(config, workdir, stop_flag)
   except checkpointing.StopRequested:
     return RunResult(None, None, None, None, True)
   finally:
-    stop_flag.raise_immediately = False
+    stop_flag.exit_immediately = False
     stop_flag.uninstall()
 
 
@@ -301,7 +301,7 @@ def _check_before_start(config, workdir: str) -> None:
 def _run(config, workdir: str, stop_flag) -> RunResult:
   distributed.initialize(config.distributed)
   # With several processes a stop must reach all at one step (should_stop).
-  stop_flag.raise_immediately = jax.process_count() == 1
+  stop_flag.exit_immediately = jax.process_count() == 1
   chief = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   logger = metrics_log.MetricsLogger(workdir, tensorboard=config.log.tensorboard,
@@ -352,7 +352,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     if step == 0 and learner.uses_critic and not meta.get('pretrained'):
       _pretrain_critic(learner, rollouts, config, logger, slots, ledger)
     # From here on a stop saves the step reached (polled, never mid-step).
-    stop_flag.raise_immediately = False
+    stop_flag.exit_immediately = False
     tracker = train_metrics.StepTimer()
     while step < config.total_steps:
       try:

@@ -181,8 +181,9 @@ def test_starved_learner_stops_on_sigterm_and_reports_dead_servers(
   assert process.returncode in (0, -signal.SIGTERM), err[-3000:]
   # SIGTERM while waiting for data that never comes: within seconds.
   process = start(tmp_path / 'starved', *remote)
+  # The weights the servers are to load are written right before the loop.
   processes.wait_until(
-      lambda: os.path.exists(tmp_path / 'starved' / 'metrics.jsonl') or
+      lambda: os.path.exists(tmp_path / 'starved' / 'weights' / 'v0') or
       process.poll() is not None, 120, 'no start')
   time.sleep(5)  # well inside the wait for the first batch
   sent = time.monotonic()

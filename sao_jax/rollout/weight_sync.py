@@ -222,7 +222,9 @@ class WeightPublisher:
     await self._call(address, 'Status', {}, self._health_timeout_s)
     await self._call(address, 'UpdateWeights',
                      {'path': path, 'version': version}, self._push_timeout_s)
-    self.acked[address] = version
+    # Acknowledgements only move forward: a slow load of an older version
+    # must not undo a newer one's.
+    self.acked[address] = max(version, self.acked.get(address, version))
     return version
 
   async def push(self, path: str, version: int,
@@ -281,8 +283,12 @@ class WeightPublisher:
         self.acked[address] = self.current[1]
       return True
     self.counters['catch_ups'] += 1
+    # What it acknowledged before (it restarted since) no longer holds.
+    self.acked.pop(address, None)
     try:
-      await self._load(address)
+      # A push may make a newer version current while this one loads.
+      while self.acked.get(address) != self.current[1]:
+        await self._load(address)
     except (grpc.RpcError, asyncio.TimeoutError) as e:
       self.counters['catch_ups_failed'] += 1
       _log.warning('bringing rollout server %s to version %d failed: %s',

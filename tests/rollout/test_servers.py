@@ -267,6 +267,38 @@ def pid_exited(pid: int) -> bool:
 
 
 @pytest.mark.slow
+def test_catch_up_loads_the_current_version_and_checks_sampling(
+    servers, policy, weights_root):
+  model, _ = policy
+  address = servers[0][1]
+  version = asyncio.run(weight_sync.server_status(address, SECRET))[
+      'version'] + 3
+  weight_sync.save_policy(str(weights_root / 'catch_up'), model)
+  sampling_settings = {'temperature': PARAMS.temperature, 'top_k': 0,
+                       'top_p': 1.0}
+  publisher = weight_sync.WeightPublisher([address], SECRET,
+                                          sampling=sampling_settings)
+  publisher.set_current(str(weights_root / 'catch_up'), version)
+  publisher.acked[address] = version  # from before a restart: stale
+  assert asyncio.run(publisher.catch_up(address))
+  status = asyncio.run(weight_sync.server_status(address, SECRET))
+  assert status['version'] == version
+  assert publisher.rollout_version([address]) == version
+  assert publisher.counters['catch_ups'] == 1
+  # Already current: accepted without a load.
+  assert asyncio.run(publisher.catch_up(address))
+  assert publisher.counters['catch_ups'] == 1
+  assert asyncio.run(weight_sync.server_status(address, SECRET))[
+      'swaps'] == status['swaps']
+  # A learner that assumes another temperature refuses the server.
+  other = weight_sync.WeightPublisher(
+      [address], SECRET, sampling=dict(sampling_settings, temperature=0.5))
+  assert not asyncio.run(other.catch_up(address))
+  assert f'temperature={PARAMS.temperature}' in str(other.mismatch)
+  assert 'temperature=0.5' in str(other.mismatch)
+
+
+@pytest.mark.slow
 def test_server_exits_when_its_parent_is_killed(tmp_path):
   # The parent: a small process that starts the server (whose ready line
   # reaches us through the shared stdout) and then just waits.
