@@ -43,9 +43,7 @@ def main(argv: Sequence[str]) -> None:
   if result.plot_path:
     print(f'learning curves: {result.plot_path}')
   if result.stopped_early:
-    where = ('during start-up' if result.steps is None
-             else f'at step {result.steps}')
-    print(f'stopped {where}; run the same command to resume')
+    print(f'stopped at step {result.steps}; run the same command to resume')
 
 
 if __name__ == '__main__':

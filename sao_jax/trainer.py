@@ -54,7 +54,7 @@ _log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class RunResult:
   """What a finished (or stopped) run reports."""
-  steps: int | None  # None: stopped during start-up, before any step
+  steps: int
   before: evaluation.EvalResult | None
   after: evaluation.EvalResult | None
   plot_path: str | None
@@ -280,8 +280,6 @@ def run(config, workdir: str) -> RunResult:
   stop_flag.exit_immediately = True
   try:
     return _run(config, workdir, stop_flag)
-  except checkpointing.StopRequested:
-    return RunResult(None, None, None, None, True)
   finally:
     stop_flag.exit_immediately = False
     stop_flag.uninstall()
