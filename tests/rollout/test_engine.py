@@ -25,15 +25,28 @@ def make_engine(checkpoint, devices=None, **overrides):
                             version=7, devices=devices), model, tok)
 
 
-def run_requests(engine, prompts, max_tokens):
-  """Drives JetStream's own orchestrator (no gRPC) over the engine."""
+def drive(engine, scenario):
+  """Runs `scenario(llm)` on JetStream's own orchestrator (no gRPC)."""
   orch = jetstream_compat.orchestrator
   driver = orch.Driver(prefill_engines=[engine], generate_engines=[engine],
                        prefill_params=[None], generate_params=[None],
                        interleaved_mode=True, jax_padding=False)
   llm = orch.LLMOrchestrator(driver=driver)
+  # The loop outlives the driver: its detokenize thread may still close a
+  # finished request's channel (a call into this loop) after the scenario
+  # returns, and on a closed loop that raises and SIGKILLs the process.
+  loop = asyncio.new_event_loop()
+  try:
+    return loop.run_until_complete(scenario(llm))
+  finally:
+    driver.stop()
+    loop.close()
 
-  async def one(prompt):
+
+def run_requests(engine, prompts, max_tokens):
+  """(tokens, logprobs, versions) of each prompt's completion."""
+
+  async def one(llm, prompt):
     request = pb.DecodeRequest(
         token_content=pb.DecodeRequest.TokenContent(token_ids=prompt),
         max_tokens=max_tokens)
@@ -45,13 +58,10 @@ def run_requests(engine, prompts, max_tokens):
     return ([t for s in steps for t in s[0]], [l for s in steps for l in s[1]],
             [v for s in steps for v in s[2]])
 
-  async def all_():
-    return await asyncio.gather(*(one(p) for p in prompts))
+  async def scenario(llm):
+    return await asyncio.gather(*(one(llm, p) for p in prompts))
 
-  try:
-    return asyncio.run(all_())
-  finally:
-    driver.stop()
+  return drive(engine, scenario)
 
 
 def recompute(model, prompt, tokens, params):
@@ -100,14 +110,9 @@ def test_too_long_prompt_is_refused_not_truncated(tiny_checkpoint):
 def test_samples_per_slot_gives_groups(tiny_checkpoint):
   engine, model, tok = make_engine(tiny_checkpoint, samples_per_slot=3,
                                    max_concurrent_decodes=2)
-  orch = jetstream_compat.orchestrator
-  driver = orch.Driver(prefill_engines=[engine], generate_engines=[engine],
-                       prefill_params=[None], generate_params=[None],
-                       interleaved_mode=True, jax_padding=False)
-  llm = orch.LLMOrchestrator(driver=driver)
   prompt = tok.encode_chat([{'role': 'user', 'content': 'w1'}])
 
-  async def one():
+  async def one(llm):
     per = [[], [], []]
     request = pb.DecodeRequest(
         token_content=pb.DecodeRequest.TokenContent(token_ids=prompt),
@@ -118,10 +123,7 @@ def test_samples_per_slot_gives_groups(tiny_checkpoint):
           per[i].append(client_lib.decode_step_ids(sample.token_ids))
     return per
 
-  try:
-    per = asyncio.run(one())
-  finally:
-    driver.stop()
+  per = drive(engine, one)
   sequences = [[t for s in steps for t in s[0]] for steps in per]
   assert all(sequences) and len({tuple(s) for s in sequences}) > 1
   for steps, seq in zip(per, sequences):
