@@ -28,11 +28,11 @@ import sys
 import tempfile
 import time
 
-import sao_jax.models
 from sao_jax.models import tiny
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import local_servers
 from sao_jax.rollout import weight_sync
+import sao_jax.models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = 'benchmark-admin-secret'

@@ -46,12 +46,12 @@ import time
 
 import grpc
 
-import sao_jax.models
 from sao_jax import config_lib
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import local_servers
 from sao_jax.rollout import weight_sync
+import sao_jax.models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pb = jetstream_compat.jetstream_pb2

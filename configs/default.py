@@ -8,7 +8,7 @@ SAO on SmolLM2-135M-Instruct and reasoning-gym's one-digit, two-term chain sums,
 with one local JetStream server on loopback, sized for a 2-core CPU: about 13
 minutes, held-out accuracy before and after printed side by side, learning
 curves plotted to workdir/learning_curves.png. Print the resolved config with
-`python -m sao_jax.show_config --config=configs/default.py`.
+`python -m sao_jax.tools.show_config --config=configs/default.py`.
 
 Baselines of the paper (SAO.md §3) are selected with the recipe argument, which
 applies their presets (sampling, advantage estimator, policy loss, clip widths):

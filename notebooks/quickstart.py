@@ -121,7 +121,7 @@ print('sao_jax from', os.path.dirname(sao_jax.__file__), '| recipes in', REPO)
 # and reasoning-gym's chain sums. A config is an `ml_collections.ConfigDict`:
 # change any value in Python (`config.total_steps = 20`,
 # `config.optim.actor.learning_rate = 1e-5`); a key that does not exist
-# fails. `python -m sao_jax.show_config --config=configs/default.py` prints
+# fails. `python -m sao_jax.tools.show_config --config=configs/default.py` prints
 # every key.
 #
 # **Your own model**: upload a Hugging Face checkpoint directory of a small
@@ -185,9 +185,9 @@ print(f'{config.algorithm} on {config.model.source} / {config.task.name}:'
 import logging
 
 from sao_jax import evaluation
-from sao_jax import trainer
 from sao_jax.rollout import in_process
 from sao_jax.rollout import jetstream_compat
+from sao_jax import trainer
 
 logging.getLogger().setLevel(logging.WARNING)
 jetstream_compat.quiet_orchestrator_logs()
@@ -211,8 +211,8 @@ if 'ipykernel' not in sys.modules:  # a script: no display
   matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
-from sao_jax import metrics_log
-from sao_jax import plots
+from sao_jax.logs import metrics_log
+from sao_jax.logs import plots
 
 records = metrics_log.read_jsonl(os.path.join(WORKDIR, 'metrics.jsonl'),
                                  dedupe=True)

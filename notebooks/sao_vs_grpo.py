@@ -121,7 +121,7 @@ print('sao_jax from', os.path.dirname(sao_jax.__file__), '| recipes in', REPO)
 # The recipe argument `algorithm=grpo` applies GRPO's presets (groups of G,
 # the group-normalised estimator, the PPO loss, clip widths); everything else
 # is shared. Change values in Python, e.g. `config.total_steps = 50`;
-# `python -m sao_jax.show_config --config=configs/tiny.py:algorithm=grpo`
+# `python -m sao_jax.tools.show_config --config=configs/tiny.py:algorithm=grpo`
 # prints every key.
 
 # %%
@@ -184,9 +184,9 @@ print('devices:', jax.devices())
 import logging
 
 from sao_jax import evaluation
-from sao_jax import trainer
 from sao_jax.rollout import in_process
 from sao_jax.rollout import jetstream_compat
+from sao_jax import trainer
 
 logging.getLogger().setLevel(logging.WARNING)
 jetstream_compat.quiet_orchestrator_logs()
@@ -217,8 +217,8 @@ if 'ipykernel' not in sys.modules:  # a script: no display
   matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
-from sao_jax import metrics_log
-from sao_jax import plots
+from sao_jax.logs import metrics_log
+from sao_jax.logs import plots
 
 fig, (ax_reward, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
 for algorithm, config in configs.items():

@@ -4,7 +4,7 @@ Every recipe in `configs/` is a Python file with `get_config(arg=None)` returnin
 an `ml_collections.ConfigDict`. Entry points take it with absl flags,
 big_vision style:
 
-  python -m sao_jax.show_config --config=configs/default.py:algorithm=grpo \
+  python -m sao_jax.tools.show_config --config=configs/default.py:algorithm=grpo \
       --config.policy_loss.eps_low=0.2
 
 The config is locked, so an override of a key that does not exist fails, and
@@ -25,14 +25,13 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from sao_jax.envs import registry
 from sao_jax import errors
 from sao_jax import kernels
-from sao_jax import losses
-from sao_jax import objectives
-from sao_jax import sharding
 from sao_jax.models import pretrained
-from sao_jax.rollout.environments import registry
-
+from sao_jax.rl import algorithms
+from sao_jax.rl import losses
+from sao_jax import sharding
 # Algorithm name -> the advantage estimator and policy loss it is made of, and
 # whether it trains a critic. `validate` checks a config against this table;
 # the recipe files apply the matching presets (SAO.md §3).
@@ -163,7 +162,7 @@ def validate(config: ml_collections.ConfigDict,
     problems.append(f'config.policy_loss.dual_clip={dual_clip} must be > 1'
                     ' (or 0 to disable it)')
   check.choice('policy_loss.aggregation', losses.AGGREGATIONS)
-  check.choice('policy_loss.old_logprobs', tuple(objectives.OLD_POLICIES))
+  check.choice('policy_loss.old_logprobs', tuple(algorithms.OLD_POLICIES))
   check.positive('policy_loss.behavior_weight_cap')
   check.non_negative('policy_loss.behavior_kl_coef')
   check.non_negative('policy_loss.ref_kl_coef')

@@ -28,13 +28,12 @@ from collections.abc import Sequence
 
 import jax
 
+from sao_jax.envs import base
+from sao_jax.envs import task_stream
 from sao_jax.models import decoding
 from sao_jax.models import sampling
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
-from sao_jax.rollout.environments import base
-from sao_jax.rollout.environments import task_stream
-
 #: Argmax decoding: evaluation measures the policy's mode, not a sample of it.
 GREEDY = sampling.SamplingParams(temperature=0.0)
 

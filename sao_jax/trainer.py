@@ -29,13 +29,15 @@ import numpy as np
 from sao_jax import checkpointing
 from sao_jax import config_lib
 from sao_jax import distributed
+from sao_jax.envs import registry
+from sao_jax.envs import task_ledger
+from sao_jax.envs import task_stream
 from sao_jax import evaluation
-from sao_jax import learner as learner_lib
-from sao_jax import metrics_log
-from sao_jax import plots
-from sao_jax import progress as progress_lib
-from sao_jax import task_ledger
-from sao_jax import train_metrics
+from sao_jax.learner import learner as learner_lib
+from sao_jax.logs import metrics_log
+from sao_jax.logs import plots
+from sao_jax.logs import progress as progress_lib
+from sao_jax.logs import train_metrics
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
 from sao_jax.rollout import batching
@@ -45,8 +47,6 @@ from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server_supervisor
 from sao_jax.rollout import weight_sync
 from sao_jax.rollout import workers
-from sao_jax.rollout.environments import registry
-from sao_jax.rollout.environments import task_stream
 
 _log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from sao_jax import advantages
+from sao_jax.rl import advantages
 
 _GAE = jax.jit(advantages.skip_observation_gae)
 

@@ -173,7 +173,7 @@ def test_parse_arg_types_and_unknown_keys():
 
 def run_show_config(*args):
   proc = subprocess.run(
-      [sys.executable, '-m', 'sao_jax.show_config', *args], cwd=ROOT,
+      [sys.executable, '-m', 'sao_jax.tools.show_config', *args], cwd=ROOT,
       capture_output=True, text=True, timeout=120,
       env=dict(os.environ, JAX_PLATFORMS='cpu'))
   lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]

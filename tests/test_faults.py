@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from sao_jax import metrics_log
+from sao_jax.logs import metrics_log
 from sao_jax.rollout import local_servers
 
 import processes  # tests/processes.py

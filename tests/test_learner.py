@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax import advantages
 from sao_jax import config_lib
-from sao_jax import learner as learner_lib
-from sao_jax import objectives
+from sao_jax.learner import learner as learner_lib
 from sao_jax.models import tiny
+from sao_jax.rl import advantages
+from sao_jax.rl import algorithms
 from sao_jax.rollout import batching
 from sao_jax.rollout import trajectory
 
@@ -250,9 +250,9 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
 
   config = make_config(**{'kernels.implementation': implementation})
   assert config.advantage.skip_observations  # the default is SAO's
-  lam = objectives.policy_lambda(config, batch)
-  np.testing.assert_array_equal(objectives.gae_mask(config, batch), actions)
-  got = objectives.gae(config, batch, values, lam)
+  lam = algorithms.policy_lambda(config, batch)
+  np.testing.assert_array_equal(algorithms.gae_mask(config, batch), actions)
+  got = algorithms.gae(config, batch, values, lam)
   want = advantages.skip_observation_gae(batch['rewards'], values, actions,
                                          1.0, lam)
   for g, w in zip(got, want):
@@ -261,9 +261,9 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   naive = make_config(**{'kernels.implementation': implementation,
                          'advantage.skip_observations': False})
   # The length-adaptive lambda still counts action tokens only.
-  np.testing.assert_array_equal(objectives.policy_lambda(naive, batch), lam)
-  np.testing.assert_array_equal(objectives.gae_mask(naive, batch), response)
-  got = objectives.gae(naive, batch, values, lam)
+  np.testing.assert_array_equal(algorithms.policy_lambda(naive, batch), lam)
+  np.testing.assert_array_equal(algorithms.gae_mask(naive, batch), response)
+  got = algorithms.gae(naive, batch, values, lam)
   want = advantages.skip_observation_gae(batch['rewards'], values, response,
                                          1.0, lam)
   for g, w in zip(got, want):
@@ -271,7 +271,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   assert np.abs(np.asarray(got[0])[:, 9:12]).sum() > 0  # observations count
   # The critic regresses on the tokens GAE ran over.
   for cfg, mask in ((config, actions), (naive, response)):
-    loss, metrics = objectives.value_loss(cfg, values, returns, batch)
+    loss, metrics = algorithms.value_loss(cfg, values, returns, batch)
     np.testing.assert_allclose(
         loss, 0.5 * np.mean((values - returns)[mask] ** 2), rtol=1e-5)
     assert metrics['num_tokens'] == mask.sum()
@@ -298,9 +298,9 @@ def test_naive_gae_trains_policy_on_actions_critic_on_response(one_device):
 def advantages_from(learner, state, batch, config):
   """Mean |A| of skip-observation GAE with the critic of `state`."""
   arrays = batch_arrays(batch)
-  values = objectives.critic_values(learner.critic_model(state), arrays)
-  adv, _ = objectives.gae(config, arrays, values,
-                          objectives.policy_lambda(config, arrays))
+  values = algorithms.critic_values(learner.critic_model(state), arrays)
+  adv, _ = algorithms.gae(config, arrays, values,
+                          algorithms.policy_lambda(config, arrays))
   return float(np.sum(np.abs(np.asarray(adv))) / batch.action_mask_BxT.sum())
 
 

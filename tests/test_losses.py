@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import losses
-
+from sao_jax.rl import losses
 
 def random_tokens(seed, batch=4, length=9, spread=0.6):
   rng = np.random.default_rng(seed)

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import metrics_log
-
+from sao_jax.logs import metrics_log
 
 def strict_lines(path):
   """Parses every line as strict JSON: NaN/Infinity tokens are an error."""

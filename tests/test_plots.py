@@ -5,8 +5,8 @@ import struct
 import numpy as np
 import pytest
 
-from sao_jax import metrics_log
-from sao_jax import plots
+from sao_jax.logs import metrics_log
+from sao_jax.logs import plots
 
 _PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 

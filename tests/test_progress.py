@@ -5,8 +5,7 @@ import io
 import jax.numpy as jnp
 import pytest
 
-from sao_jax import progress
-
+from sao_jax.logs import progress
 
 class FakeClock:
 

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from sao_jax import metrics_log
-
+from sao_jax.logs import metrics_log
 import processes  # tests/processes.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-from sao_jax import advantages
-from sao_jax import train_metrics
+from sao_jax.logs import train_metrics
+from sao_jax.rl import advantages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +50,8 @@ _CHILD = r'''
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sao_jax import train_metrics
+from sao_jax.logs import train_metrics
+
 slots = train_metrics.PromptSlots(2)
 slots.load_state_dict(json.loads(sys.argv[2]))
 tokens = np.array(json.loads(sys.argv[3]), np.int32)

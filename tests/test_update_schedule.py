@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax import learner as learner_lib
-from sao_jax import objectives
+from sao_jax.learner import learner as learner_lib
 from sao_jax.models import sampling
+from sao_jax.rl import algorithms
 
 import test_learner as helpers
 
@@ -73,7 +73,7 @@ def reference_update(learner, batch, mode):
     policy = jax.tree.unflatten(treedef, flat_params)
     model = learner.policy_model(learner.state._replace(policy=policy))
     micro = {k: v[rows] for k, v in arrays.items()}
-    return objectives.policy_logprobs(model, micro, params_sampling)[0]
+    return algorithms.policy_logprobs(model, micro, params_sampling)[0]
 
   def as_tree(flat):
     return [np.asarray(p, np.float32) for p in flat]

@@ -18,10 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sao_jax import sharding
-from sao_jax.kernels import dispatch
 from sao_jax.kernels.dis_loss import api as dis_loss_api
+from sao_jax.kernels import dispatch
 from sao_jax.kernels.gae import api as gae_api
+from sao_jax import sharding
 
 _F32 = jnp.float32
 P = jax.sharding.PartitionSpec
@@ -79,7 +79,7 @@ def dis_policy_loss(logp_BxT, behavior_logp_BxT, advantages_BxT, mask_BxT,
   summed, token means token-weighted, extremes by min / max.
 
   Returns:
-    `(loss, metrics)` as `sao_jax.losses.dis_policy_loss`.
+    `(loss, metrics)` as `sao_jax.rl.losses.dis_policy_loss`.
   """
   if not _per_shard(mesh, implementation):
     return dis_loss_api.dis_policy_loss(

@@ -13,10 +13,10 @@ import logging
 
 import numpy as np
 
+from sao_jax.envs import base
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import trajectory as trajectory_lib
-from sao_jax.rollout.environments import base
 
 _log = logging.getLogger(__name__)
 _PROBE_USER, _PROBE_ACTION, _PROBE_OBSERVATION = 'U\u2063', 'A\u2063', 'O\u2063'

@@ -16,11 +16,11 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from sao_jax.envs import base
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes
 from sao_jax.rollout import queue as queue_lib
-from sao_jax.rollout.environments import base
 
 _log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ import numpy as np
 from absl import flags
 
 from sao_jax import config_lib
-from sao_jax import learner as learner_lib
-from sao_jax import sharding
-from sao_jax import tpu_aot
 from sao_jax.kernels import dispatch
+from sao_jax.learner import learner as learner_lib
 from sao_jax.models import pretrained
+from sao_jax import sharding
+from sao_jax.tools import tpu_aot
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_lib.define_config_flag()

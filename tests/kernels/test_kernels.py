@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import advantages
 from sao_jax import config_lib
 from sao_jax import kernels
-from sao_jax import losses
+from sao_jax.rl import advantages
+from sao_jax.rl import losses
 
 IMPLEMENTATIONS = ['xla', 'pallas']
 DTYPES = {'f32': (jnp.float32, 1e-5), 'bf16': (jnp.bfloat16, 1e-2)}

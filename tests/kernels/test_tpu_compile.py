@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from sao_jax import kernels
-from sao_jax import tpu_aot
+from sao_jax.tools import tpu_aot
 
 if platform.system() != 'Linux' or platform.machine() != 'x86_64':
   pytest.skip('libtpu wheels exist for Linux x86_64 only',

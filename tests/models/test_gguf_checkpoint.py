@@ -11,13 +11,13 @@ import torch
 import transformers
 from flax import nnx
 
-import sao_jax.models
 from sao_jax.models import decoding
 from sao_jax.models import gguf_checkpoint
 from sao_jax.models import hf_checkpoint
 from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
+import sao_jax.models
 
 
 @pytest.fixture(scope='module')

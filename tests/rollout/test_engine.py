@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-import sao_jax.models
 from sao_jax.models import sampling
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
+import sao_jax.models
 
 pb = jetstream_compat.jetstream_pb2
 

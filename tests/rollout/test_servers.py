@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-import sao_jax.models
+from sao_jax.envs import base
 from sao_jax import errors
 from sao_jax.models import sampling
 from sao_jax.rollout import client as client_lib
@@ -32,7 +32,7 @@ from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server as server_lib
 from sao_jax.rollout import weight_sync
 from sao_jax.rollout import workers
-from sao_jax.rollout.environments import base
+import sao_jax.models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = 'integration-test-secret'

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sao_jax import losses
-from sao_jax.kernels import dispatch
 from sao_jax.kernels.dis_loss import pallas_tpu
 from sao_jax.kernels.dis_loss import reference
+from sao_jax.kernels import dispatch
+from sao_jax.rl import losses
 
 
 def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
                     aggregation='token_mean', implementation: str = 'auto',
                     block_b: int | None = None, block_t: int | None = None,
                     interpret: bool | None = None):
-  """The DIS loss of SAO §1.2; see `sao_jax.losses.dis_policy_loss`.
+  """The DIS loss of SAO §1.2; see `sao_jax.rl.losses.dis_policy_loss`.
 
   Same arguments and results as the reference, plus:
 

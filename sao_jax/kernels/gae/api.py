@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sao_jax import advantages
 from sao_jax.kernels import dispatch
 from sao_jax.kernels.gae import pallas_tpu
 from sao_jax.kernels.gae import reference
+from sao_jax.rl import advantages
 
 
 def skip_observation_gae(rewards, values, action_mask, gamma, lam,
@@ -15,7 +15,7 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam,
                          block_b: int | None = None,
                          block_t: int | None = None,
                          interpret: bool | None = None):
-  """Skip-observation GAE (SAO §1.4); see `sao_jax.advantages` for the math.
+  """Skip-observation GAE (SAO §1.4); see `sao_jax.rl.advantages` for the math.
 
   Args:
     rewards, values: float `[B, T]` (f32 or bf16).

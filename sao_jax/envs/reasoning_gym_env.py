@@ -1,0 +1,144 @@
+"""reasoning-gym procedural datasets as environments.
+
+Splits. reasoning-gym generates item `idx` of a dataset from
+`Random(seed + idx)`, so two datasets whose seeds differ by less than their
+size share items (item i+1 of seed s is item i of seed s+1). The eval split
+therefore uses seed `seed + EVAL_SEED_OFFSET`, far beyond any size we allow:
+no eval item is a shifted copy of a train item. Small settings still repeat
+*questions* by chance (chain_sum with 2 one-digit terms has 200), which
+`task_stream.TaskStream` removes by exact question match. Indices wrap modulo
+the split's size, so a training stream never runs out.
+
+Scoring. The reward scores the final answer extracted from the reply
+(`answers.extract_answer`), never the raw reply. Each dataset's own
+`score_answer` is used where it is sound on that answer; the checked
+datasets, and what was found:
+
+  chain_sum, basic_arithmetic  numeric extraction. chain_sum compares
+      `Decimal`s ('7.0' == '7'); basic_arithmetic compares strings, which the
+      canonical number spelling makes agree. Both give *partial credit* to a
+      wrong answer that contains the right one as a substring
+      (len(oracle)/len(answer): '17' or '-7' for 7 gets 0.5, '--4' for -4
+      0.67); the reward keeps only full credit unless `partial_credit`.
+  gsm_symbolic  its scorer reads the *first* number of what it is given
+      (0.01 for any other number). Given a reply, a restated question scores
+      1.0 whenever the answer is the question's first number (1.4% of items),
+      whatever the reply concludes, and a worked solution is judged by its
+      first intermediate number; '1,250' is read as 1. Replaced: the extracted
+      final number is checked with `math_verify`.
+  countdown  its scorer runs sympy's `parse_expr` (which `eval`s Python) on the
+      model's text: unsafe and unbounded ('9**9**9'). Replaced by
+      `arithmetic.check_countdown` under the same rule (every number exactly
+      once), evaluated with simpleeval.
+
+Other datasets run with 'text' extraction and their own scorer, unchecked:
+review a dataset's scorer before training on it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import reasoning_gym
+
+from sao_jax.envs import answers
+from sao_jax.envs import arithmetic
+from sao_jax.envs import base
+
+_log = logging.getLogger(__name__)
+
+#: Added to the train seed for the eval split; sizes must stay below it.
+EVAL_SEED_OFFSET = 2**30
+
+#: Reviewed datasets: the answer kind extracted and the scorer applied.
+SCORING = {
+    'chain_sum': ('numeric', 'dataset'),
+    'basic_arithmetic': ('numeric', 'dataset'),
+    'gsm_symbolic': ('numeric', 'math_verify'),
+    'countdown': ('expression', 'countdown'),
+}
+
+
+class ReasoningGymEnvironment(base.Environment):
+  """One reasoning-gym dataset; single turn."""
+
+  max_turns = 1
+
+  def __init__(self, dataset_name: str, seed: int = 0, size: int = 100_000,
+               eval_size: int | None = None, answer_format: str = 'plain',
+               partial_credit: bool = False, **dataset_kwargs):
+    """Creates the train and eval datasets.
+
+    Args:
+      dataset_name: a reasoning-gym dataset, e.g. 'chain_sum'.
+      seed: train split seed; eval uses `seed + EVAL_SEED_OFFSET`.
+      size: train items before indices wrap.
+      eval_size: eval items before indices wrap; defaults to `size`.
+      answer_format: the answer instruction appended to the question,
+        'plain' | 'tagged' | 'none' (see `answers.instruction`).
+      partial_credit: keep the dataset scorer's fractional scores as rewards;
+        by default only full credit counts (see the module docstring).
+      **dataset_kwargs: the dataset's config, e.g. `min_terms=2`.
+    """
+    eval_size = size if eval_size is None else eval_size
+    if not 0 < size <= EVAL_SEED_OFFSET or not 0 < eval_size <= (
+        EVAL_SEED_OFFSET):
+      raise ValueError(f'sizes must be in (0, {EVAL_SEED_OFFSET}], got'
+                       f' {size} and {eval_size}')
+    self.kind, self.scorer = SCORING.get(dataset_name, ('text', 'dataset'))
+    answers.instruction(answer_format, self.kind)  # validates it
+    if dataset_name not in SCORING:
+      _log.warning('reasoning-gym dataset %r has an unreviewed scorer; see'
+                   ' reasoning_gym_env.SCORING', dataset_name)
+    self.name = dataset_name
+    self.answer_format = answer_format
+    self.partial_credit = partial_credit
+    self._datasets = {
+        'train': reasoning_gym.create_dataset(
+            dataset_name, seed=seed, size=size, **dataset_kwargs),
+        'eval': reasoning_gym.create_dataset(
+            dataset_name, seed=seed + EVAL_SEED_OFFSET, size=eval_size,
+            **dataset_kwargs),
+    }
+
+  def size(self, split: str) -> int:
+    """Distinct indices of `split` before they wrap."""
+    return len(self._datasets[split])
+
+  def task(self, split: str, index: int) -> base.Task:
+    arithmetic.check_task_args(split, index)
+    index %= self.size(split)
+    entry = self._datasets[split][index]
+    return base.Task(id=f'{self.name}/{split}/{index}',
+                     question=entry['question'], answer=entry['answer'],
+                     metadata=dict(entry['metadata']))
+
+  def prompt_messages(self, task: base.Task) -> list[dict[str, str]]:
+    return answers.with_instruction(task.question, self.answer_format,
+                                    self.kind)
+
+  def score(self, task: base.Task, answer: str | None) -> float:
+    """The reward for an extracted `answer` (None: no answer found)."""
+    if answer is None:
+      return 0.0
+    if self.scorer == 'math_verify':
+      return float(answers.math_equal(answer, task.answer))
+    if self.scorer == 'countdown':
+      correct, _ = arithmetic.check_countdown(
+          answer, task.metadata['numbers'], task.metadata['target'],
+          use_all=True)
+      return float(correct)
+    entry = {'question': task.question, 'answer': task.answer,
+             'metadata': task.metadata}
+    score = float(self._datasets['train'].score_answer(answer, entry))
+    return score if self.partial_credit or score >= 1.0 else 0.0
+
+  def step(self, task: base.Task, turn: int, action_text: str
+           ) -> base.StepResult:
+    del turn
+    answer = answers.extract_answer(action_text, self.kind)
+    reward = self.score(task, answer)
+    return base.StepResult(
+        done=True, reward=reward,
+        info={'correct': reward >= 1.0, 'answer': answer,
+              'expected': task.answer})

@@ -1,0 +1,155 @@
+"""A task for the tiny word-vocabulary model: say words from a target set.
+
+The tiny random model (`sao_jax.models.tiny`) has no arithmetic to learn; this
+environment gives it a reward it can climb within a CI run: the fraction of the
+reply's words that belong to a target set (even-numbered words `w0, w2, ...`).
+The whole training pipeline (servers, workers, queue, learner, checkpoints)
+runs unchanged on it, in seconds per step.
+
+Options, all off by default, make it a quick testbed for the algorithm
+comparisons of benchmarks/:
+
+  * Phases (online learning). At each of `switch_steps` (learner policy steps,
+    told through `on_policy_step`) the target parity flips: phase 0 rewards
+    even words, phase 1 odd ones, phase 2 even again, and so on. An episode is
+    judged by the phase current when it ends, as in `nonstationary`, and its
+    info records that phase; the held-out evaluation also judges by the
+    current phase, so it measures how well the policy tracks the switch.
+  * Latency. `astep` first sleeps (asyncio) for a heavy-tailed lognormal delay
+    per turn (`latency.lognormal_seconds`, seeded by seed, task id and turn),
+    then judges; `step`, which evaluation calls, never sleeps.
+  * Multi-turn (`turns` > 1), to exercise skip-observation GAE. Every reply but
+    the last is answered by a user turn of `observation_words` words drawn
+    from the task id and turn (observation tokens, never trained on); the
+    last reply ends the episode. The reward is the share of target words among
+    all the words of all the episode's replies (pooled: a reply weighs by its
+    word count, and an empty reply adds nothing rather than a 0 share). `step`
+    sees one reply, so the counts of earlier turns travel in the task's
+    metadata (`StepResult.next_task`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Sequence
+import dataclasses
+
+from sao_jax.envs import arithmetic
+from sao_jax.envs import base
+from sao_jax.envs import latency
+# Task metadata key of the word counts of an episode's earlier replies:
+# (words, even-numbered words, odd-numbered words).
+_COUNTS = 'word_counts'
+
+
+def count_words(text: str) -> tuple[int, int, int]:
+  """`(words, even, odd)`: reply words ('w...') and those numbered even / odd.
+
+  A 'w' word without a number (e.g. 'who') counts as a word of neither parity,
+  so it lowers the share in every phase.
+  """
+  words = [w for w in text.split() if w.startswith('w')]
+  numbers = [int(w[1:]) for w in words if w[1:].isdigit()]
+  even = sum(1 for n in numbers if n % 2 == 0)
+  return len(words), even, len(numbers) - even
+
+
+class WordTarget(base.Environment):
+  """Reward: share of the reply's words that are in the target set."""
+
+  name = 'word_target'
+  max_turns = 1
+
+  def __init__(self, vocab: int = 64, seed: int = 0,
+               switch_steps: Sequence[int] = (), turns: int = 1,
+               observation_words: int = 6, delay_median_s: float = 0.0,
+               delay_sigma: float = 1.0, delay_max_s: float | None = None):
+    """Configures the task, its phases, turns and simulated latency.
+
+    Args:
+      vocab: the tiny model's vocabulary size (words are `w0 .. w{vocab-4}`).
+      seed: varies observations and latencies between runs.
+      switch_steps: strictly increasing policy steps at which the target
+        parity flips; empty: even words throughout.
+      turns: model turns per episode (`max_turns`); 1 is single-turn.
+      observation_words: words of each observation between turns.
+      delay_median_s: median simulated latency of a turn; 0 disables it.
+      delay_sigma: lognormal sigma (log-space standard deviation).
+      delay_max_s: optional cap on one delay.
+    """
+    switch_steps = tuple(switch_steps)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+           for s in switch_steps) or list(switch_steps) != sorted(
+               set(switch_steps)):
+      raise ValueError('switch_steps must be strictly increasing policy steps'
+                       f' >= 0, got {switch_steps}')
+    if turns < 1 or observation_words < 1:
+      raise ValueError(f'need turns >= 1 and observation_words >= 1, got'
+                       f' {turns} and {observation_words}')
+    latency.check(delay_median_s, delay_sigma, delay_max_s)
+    self._vocab = vocab
+    self._seed = seed
+    self.switch_steps = switch_steps
+    self.max_turns = turns
+    self.observation_words = observation_words
+    self.delay_median_s = delay_median_s
+    self.delay_sigma = delay_sigma
+    self.delay_max_s = delay_max_s
+    self.phase = 0
+
+  def on_policy_step(self, step: int) -> None:
+    self.phase = bisect.bisect_right(self.switch_steps, step)
+
+  def task(self, split: str, index: int) -> base.Task:
+    if split not in base.SPLITS:
+      raise ValueError(f'unknown split {split!r}')
+    offset = 0 if split == 'train' else 7919  # disjoint prompt sequences
+    words = [f'w{(index * 7 + offset + k * 13) % (self._vocab - 3)}'
+             for k in range(3)]
+    return base.Task(id=f'{self.name}/{split}/{index}',
+                     question=' '.join(words) + f' #{split}{index}')
+
+  def prompt_messages(self, task: base.Task) -> list[dict[str, str]]:
+    return [{'role': 'user', 'content': task.question.split(' #')[0]}]
+
+  def observation(self, task: base.Task, turn: int) -> str:
+    """The user turn after reply `turn`: words fixed by task id and turn."""
+    rng = arithmetic.seeded_rng('word_target_observation', self._seed, task.id,
+                                turn)
+    return ' '.join(f'w{rng.randrange(self._vocab - 3)}'
+                    for _ in range(self.observation_words))
+
+  def turn_latency(self, task: base.Task, turn: int) -> float:
+    """Seconds turn `turn` of `task` takes to judge (0 when disabled)."""
+    return latency.lognormal_seconds(self.delay_median_s, self.delay_sigma,
+                                     self.delay_max_s, self._seed, task.id,
+                                     turn)
+
+  def step(self, task: base.Task, turn: int, action_text: str
+           ) -> base.StepResult:
+    reply = count_words(action_text)
+    before = task.metadata.get(_COUNTS, (0, 0, 0))
+    words, even, odd = (a + b for a, b in zip(before, reply))
+    if turn < self.max_turns - 1:
+      return base.StepResult(
+          done=False, observation=self.observation(task, turn),
+          info={'words': reply[0], 'phase': self.phase},
+          next_task=dataclasses.replace(
+              task, metadata={**task.metadata, _COUNTS: (words, even, odd)}))
+    hits = odd if self.phase % 2 else even
+    share = hits / words if words else 0.0
+    return base.StepResult(done=True, reward=share,
+                           info={'correct': share >= 0.75, 'words': words,
+                                 'phase': self.phase})
+
+  async def astep(self, task: base.Task, turn: int, action_text: str
+                  ) -> base.StepResult:
+    """The simulated latency, then `step`: a late verdict sees a new phase."""
+    delay = self.turn_latency(task, turn)
+    if delay > 0:
+      await asyncio.sleep(delay)
+    result = self.step(task, turn, action_text)
+    if delay > 0:
+      result.info['latency_s'] = delay
+    return result

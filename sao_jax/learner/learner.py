@@ -1,0 +1,485 @@
+"""The SAO learner: sharded state and the jitted update of one batch.
+
+Per batch (SAO §1-2): the critic's values of the batch, then K critic updates
+towards Monte-Carlo returns (attention frozen); advantages by skip-observation
+GAE with the length-adaptive lambda from the values as they were before those
+updates; then the policy updates: E passes over the batch, each in M shuffled
+mini-batches, one optimizer step per mini-batch (SAO: E = M = 1) with the DIS
+loss against the rollout engine's own log-probs. The paper's baselines swap the
+parts by name (config.algorithm): GRPO's group advantages, a running-mean
+baseline, PPO's clipped loss against an old policy (`policy_loss.old_logprobs`);
+`advantage.skip_observations=False` ablates the skip (naive GAE through
+observation tokens).
+
+Sharding (pjit semantics through `jax.jit`): parameters are laid out over the
+`data x fsdp x tensor` mesh by their logical axes (`sao_jax.sharding`), the
+optimiser states follow their parameters, batches split over `data x fsdp`,
+and the state is donated to each step so it is updated in place. Gradients
+accumulate over micro-batches (`config.optim.microbatches`) so large batches
+fit; a non-finite gradient skips its update (`optimizers`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sao_jax import config_lib
+from sao_jax.learner import optimizers
+from sao_jax.models import critic as critic_lib
+from sao_jax.models import sampling
+from sao_jax.models import transformer
+from sao_jax.rl import advantages
+from sao_jax.rl import algorithms
+from sao_jax import sharding
+
+_F32 = jnp.float32
+# Batch fields the step reads, with their rank: [B, T] or [B].
+BATCH_FIELDS = {
+    'tokens': 2, 'input_mask': 2, 'action_mask': 2, 'behavior_logprobs': 2,
+    'rewards': 2, 'reward': 1, 'num_action_tokens': 1, 'slot_ids': 1,
+}
+
+
+class LearnerState(NamedTuple):
+  """Everything a policy step reads and writes (a pytree, donated per step).
+
+  Attributes:
+    policy: the policy's parameters (nnx State).
+    critic: the critic's trainable parameters (MLP and head when attention is
+      frozen; all of them otherwise), or None without a critic.
+    critic_frozen: the critic's frozen parameters (possibly empty), or None.
+    actor_opt, critic_opt: optimiser states (critic_opt None without critic).
+    running_mean: the running-mean baseline's reward history, or None.
+    ref_policy: the frozen initial policy of the reference-model KL
+      (`policy_loss.ref_kl_coef` > 0), or None: one more copy of the policy's
+      parameters, no optimizer state.
+    step: batches trained so far: the policy version.
+    critic_step: critic updates so far (pretraining included).
+  """
+  policy: Any
+  critic: Any
+  critic_frozen: Any
+  actor_opt: Any
+  critic_opt: Any
+  running_mean: Any
+  ref_policy: Any
+  step: jax.Array
+  critic_step: jax.Array
+
+
+class Learner:
+  """Owns the mesh, the shardings and the jitted steps of one training run."""
+
+  def __init__(self, config, policy: transformer.CausalLM, mesh,
+               rules=sharding.DEFAULT_RULES, init_state: bool = True):
+    """Lays out the policy (and a critic copied from it) on `mesh`.
+
+    Args:
+      config: a validated sao_jax config.
+      policy: the initial policy (its weights become the critic's backbone).
+      mesh: a mesh with the `sharding.MESH_AXES`.
+      rules: logical-axis rules.
+      init_state: build the state now (False: only shapes, for AOT compiles
+        and restores).
+    """
+    self.config = config
+    self.mesh = mesh
+    self.rules = rules
+    self.uses_critic = config_lib.ALGORITHMS[config.algorithm]['critic']
+    self.uses_ref_policy = bool(config.policy_loss.ref_kl_coef)
+    self.sampling = sampling.SamplingParams(config.rollout.temperature,
+                                            config.rollout.top_k,
+                                            config.rollout.top_p)
+    self.actor_tx = optimizers.make(config.optim.actor)
+    self.critic_tx = optimizers.make(config.optim.critic)
+    self._policy_def, policy_params = nnx.split(policy, nnx.Param)
+    critic_params = frozen_params = None
+    if self.uses_critic:
+      value_model = (critic_lib.from_policy(policy) if init_state else
+                     nnx.eval_shape(lambda: critic_lib.ValueModel(
+                         policy.config, rngs=nnx.Rngs(0))))
+      self._critic_def, critic_params, frozen_params = nnx.split(
+          value_model,
+          critic_lib.trainable_filter(config.critic.frozen_attention), ...)
+    self.batch_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES, None))
+    self.row_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
+    self._param_shardings = {
+        name: sharding.state_shardings(params, mesh, rules)
+        for name, params in (('policy', policy_params),
+                             ('critic', critic_params),
+                             ('critic_frozen', frozen_params))
+        if params is not None}
+    self._param_shardings['ref_policy'] = self._param_shardings['policy']
+    abstract_params = self._params(policy_params, critic_params,
+                                   frozen_params, abstract=True)
+    abstract = jax.eval_shape(self._init_state, *abstract_params)
+    # Read the layout of the whole state (moments pinned like their
+    # parameters, counters replicated) from the compiled initialiser.
+    self.state_shardings = jax.jit(self._init_state).lower(
+        *abstract_params).compile().output_shardings
+    self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    self.abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, self.state_shardings)
+    self.state = None
+    if init_state:
+      # Wait for it: XLA:CPU can deadlock when a sharded program with
+      # collectives starts on some devices while another still runs on the
+      # rest (jax 0.10, fake CPU devices); the first step would be that one.
+      self.state = jax.block_until_ready(self._init(*self._params(
+          policy_params, critic_params, frozen_params)))
+    self.train_step = jax.jit(
+        self._train_step,
+        in_shardings=(self.state_shardings, self._batch_shardings()),
+        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+    self.critic_step = jax.jit(
+        self._critic_only_step,
+        in_shardings=(self.state_shardings, self._batch_shardings()),
+        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+    # After value pretraining: RL's critic warm-up starts at RL step 0.
+    self.reset_critic_optimizer = jax.jit(
+        self._reset_critic_optimizer, in_shardings=(self.state_shardings,),
+        out_shardings=self.state_shardings, donate_argnums=(0,))
+
+  # -- state ------------------------------------------------------------------
+
+  def _params(self, policy, critic, frozen, abstract=False):
+    """The parameter states placed with their shardings."""
+    out = []
+    for name, params in (('policy', policy), ('critic', critic),
+                         ('critic_frozen', frozen)):
+      if params is None:
+        out.append(None)
+        continue
+      shardings = self._param_shardings[name]
+      if abstract:
+        out.append(jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+            params, shardings))
+      else:
+        out.append(jax.device_put(params, shardings))
+    return out
+
+  def _init_state(self, policy, critic, frozen) -> LearnerState:
+    cfg = self.config
+    running_mean = None
+    if cfg.advantage.estimator == 'running_mean':
+      per_question = cfg.advantage.running_mean_scope == 'prompt'
+      running_mean = advantages.running_mean_init(
+          cfg.advantage.running_mean_slots if per_question else 1,
+          cfg.advantage.running_mean_window if per_question else 1,
+          cfg.advantage.running_mean_global_window)
+    return LearnerState(
+        policy=policy, critic=critic, critic_frozen=frozen,
+        actor_opt=self._sharded_opt_state(self.actor_tx, policy, 'policy'),
+        critic_opt=(None if critic is None else
+                    self._sharded_opt_state(self.critic_tx, critic, 'critic')),
+        running_mean=running_mean,
+        # A copy, not the same buffers: the state is donated to every step.
+        ref_policy=(jax.tree.map(jnp.copy, policy) if self.uses_ref_policy
+                    else None),
+        step=jnp.zeros((), jnp.int32), critic_step=jnp.zeros((), jnp.int32))
+
+  def _reset_critic_optimizer(self, state: LearnerState) -> LearnerState:
+    """The critic's optimizer as new: its warm-up starts again from 0."""
+    return state._replace(critic_opt=self._sharded_opt_state(
+        self.critic_tx, state.critic, 'critic'))
+
+  def _sharded_opt_state(self, tx, params, name):
+    """`tx.init(params)` with every moment sharded like its parameter.
+
+    The moments are zeros, which carry no data dependence on the parameters:
+    left to propagation they come out replicated, a full f32 copy of the
+    model per moment on every device.
+    """
+    return optax.tree_map_params(
+        tx, jax.lax.with_sharding_constraint, tx.init(params),
+        self._param_shardings[name])
+
+  def _batch_shardings(self):
+    return {name: self.batch_sharding if rank == 2 else self.row_sharding
+            for name, rank in BATCH_FIELDS.items()}
+
+  # -- models ------------------------------------------------------------------
+
+  def policy_model(self, state=None) -> transformer.CausalLM:
+    """The policy with the current (or given) parameters."""
+    state = self.state if state is None else state
+    return nnx.merge(self._policy_def, state.policy)
+
+  def critic_model(self, state=None) -> critic_lib.ValueModel:
+    state = self.state if state is None else state
+    return nnx.merge(self._critic_def, state.critic, state.critic_frozen)
+
+  @property
+  def version(self) -> int:
+    return int(self.state.step)
+
+  # -- batches -----------------------------------------------------------------
+
+  def device_batch(self, batch, slot_ids=None) -> dict[str, jax.Array]:
+    """A `batching.Batch` (this process's rows) as sharded global arrays.
+
+    On several processes each contributes its rows; the global batch is their
+    concatenation in process order.
+    """
+    arrays = {
+        'tokens': batch.tokens_BxT, 'input_mask': batch.input_mask_BxT,
+        'action_mask': batch.action_mask_BxT,
+        'behavior_logprobs': batch.behavior_logprobs_BxT,
+        'rewards': batch.rewards_BxT, 'reward': batch.reward_B,
+        'num_action_tokens': batch.num_action_tokens_B,
+        'slot_ids': (np.zeros_like(batch.num_action_tokens_B)
+                     if slot_ids is None else np.asarray(slot_ids, np.int32)),
+    }
+    shardings = self._batch_shardings()
+    return {name: _global_array(value, shardings[name])
+            for name, value in arrays.items()}
+
+  # -- steps -------------------------------------------------------------------
+
+  def _critic_updates(self, state: LearnerState, batch, steps: int,
+                      values_before=None):
+    """`steps` critic updates towards fixed returns; returns state, metrics.
+
+    `values_before`: the critic's values of the batch before the updates, if
+    the caller has them (they are the GAE bootstrap of the returns).
+    """
+    cfg = self.config
+    if values_before is None and cfg.critic.lam == 1.0 and (
+        cfg.advantage.gamma == 1.0) and not cfg.critic.value_clip:
+      # Monte-Carlo returns (SAO's lambda_critic = 1) do not depend on V:
+      # skip a forward pass of the critic.
+      values_before = jnp.zeros(batch['rewards'].shape, _F32)
+    elif values_before is None:
+      values_before = algorithms.critic_values(self.critic_model(state),
+                                               batch)
+    lam_critic = jnp.full(batch['reward'].shape, cfg.critic.lam, _F32)
+    _, returns = algorithms.gae(cfg, batch, values_before, lam_critic,
+                                 self.mesh)
+    returns = jax.lax.stop_gradient(returns)
+    totals = algorithms.batch_totals(algorithms.gae_mask(cfg, batch))
+
+    def loss_fn(trainable, micro):
+      model = nnx.merge(self._critic_def, trainable, state.critic_frozen)
+      values = algorithms.critic_values(model, micro)
+      loss, metrics = algorithms.value_loss(cfg, values, micro['returns'],
+                                            micro, micro['values_before'])
+      weight = algorithms.microbatch_weight(algorithms.gae_mask(cfg, micro),
+                                            totals, cfg.policy_loss.aggregation)
+      return loss * weight, dict(metrics, loss=loss)
+
+    data = dict(batch, returns=returns, values_before=values_before)
+
+    def one_update(_, carry):
+      params, opt_state, _ = carry
+      grads, metrics = _accumulate(loss_fn, params, data,
+                                   cfg.optim.microbatches,
+                                   self._param_shardings['critic'])
+      updates, opt_state = self.critic_tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+      return params, opt_state, metrics
+
+    init_metrics = jax.eval_shape(
+        lambda: one_update(0, (state.critic, state.critic_opt, None))[2])
+    init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                init_metrics)
+    params, opt_state, metrics = jax.lax.fori_loop(
+        0, steps, one_update, (state.critic, state.critic_opt, init_metrics))
+    state = state._replace(critic=params, critic_opt=opt_state,
+                           critic_step=state.critic_step + steps)
+    metrics = {f'critic/{k}': v for k, v in metrics.items()}
+    metrics['critic/nonfinite_skips'] = optimizers.nonfinite_count(opt_state)
+    return state, metrics
+
+  def _critic_only_step(self, state: LearnerState, batch):
+    """Value pretraining: one critic update, the policy untouched."""
+    return self._critic_updates(state, batch, 1)
+
+  def _train_step(self, state: LearnerState, batch):
+    cfg = self.config
+    metrics = {}
+    running_mean = state.running_mean
+    if self.uses_critic:
+      pre_update = cfg.advantage.values_from == 'pre_update'
+      # Only read when the advantages need them (or the returns bootstrap).
+      values_before = (algorithms.critic_values(self.critic_model(state), batch)
+                       if pre_update else None)
+      state, critic_metrics = self._critic_updates(
+          state, batch, cfg.critic.steps_per_policy_step, values_before)
+      metrics.update(critic_metrics)
+      # Pre-update values by default (verl's order): after K updates on this
+      # very batch the baseline has regressed onto each trajectory's own
+      # return, and A = R - V shrinks towards 0.
+      values = (values_before if pre_update
+                else algorithms.critic_values(self.critic_model(state), batch))
+      adv, _ = algorithms.gae(cfg, batch, values,
+                              algorithms.policy_lambda(cfg, batch), self.mesh)
+    else:
+      adv, running_mean = algorithms.trajectory_advantages(cfg, batch,
+                                                           running_mean)
+    if cfg.advantage.normalize:
+      adv = advantages.normalize_advantages(adv, batch['action_mask'])
+    adv = jax.lax.stop_gradient(adv)
+    mask = batch['action_mask']
+    count = jnp.maximum(jnp.sum(mask), 1)
+    metrics['advantage/mean'] = jnp.sum(jnp.where(mask, adv, 0.0)) / count
+    metrics['advantage/abs_mean'] = jnp.sum(jnp.where(mask, jnp.abs(adv),
+                                                      0.0)) / count
+    # Everything the updates treat as constants, computed once per batch.
+    data = dict(batch, advantages=adv)
+    if algorithms.needs_proximal_logprobs(cfg):
+      data['prox_logp'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
+          self.policy_model(state), batch, self.sampling)[0])
+    if self.uses_ref_policy:
+      data['ref_logp'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
+          nnx.merge(self._policy_def, state.ref_policy), batch,
+          self.sampling)[0])
+    policy, actor_opt, policy_metrics = self._policy_updates(state, data)
+    metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
+    metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
+    state = state._replace(policy=policy, actor_opt=actor_opt,
+                           running_mean=running_mean, step=state.step + 1)
+    return state, metrics
+
+  def _policy_updates(self, state: LearnerState, data):
+    """E passes of M shuffled mini-batches, one optimizer step each (SAO §2).
+
+    Mini-batch m of pass e holds rows `perm_e[m::M]` of the batch, where
+    `perm_e` is `minibatch_permutation(seed, version, e, B)` (no shuffle when
+    M = 1); strided so that, like micro-batches, each takes the same number of
+    rows from every batch shard. Every step's loss is its mini-batch's own
+    mean (as verl and OpenRLHF do); micro-batches accumulate inside a step.
+
+    Returns:
+      `(policy, actor_opt, metrics)`: metrics are means over the steps, except
+      `ratio_min` / `ratio_max` (extremes over the steps), `loss_first` (the
+      first step's loss, before the policy moved) and `optimizer_steps`.
+    """
+    cfg = self.config
+    epochs, minibatches = cfg.optim.policy_epochs, cfg.optim.policy_minibatches
+    with_entropy = bool(cfg.policy_loss.entropy_coef)
+    num_rows = data['action_mask'].shape[0]
+
+    def loss_fn(params, micro, totals):
+      model = nnx.merge(self._policy_def, params)
+      logp, entropy = algorithms.policy_logprobs(model, micro, self.sampling,
+                                                 with_entropy)
+      loss, loss_metrics = algorithms.policy_loss(
+          cfg, logp, micro, micro['advantages'], micro.get('prox_logp'),
+          entropy, micro.get('ref_logp'), self.mesh)
+      weight = algorithms.microbatch_weight(micro['action_mask'], totals,
+                                            cfg.policy_loss.aggregation)
+      return loss * weight, dict(loss_metrics, loss=loss)
+
+    def minibatch(update):
+      if minibatches == 1:
+        return data
+      perm = minibatch_permutation(cfg.seed, state.step, update // minibatches,
+                                   num_rows)
+      rows = perm.reshape(num_rows // minibatches, minibatches)[
+          :, update % minibatches]
+      return jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              jnp.take(x, rows, axis=0),
+              self.batch_sharding if x.ndim == 2 else self.row_sharding),
+          data)
+
+    def one_update(carry, update):
+      params, opt_state = carry
+      micro_data = minibatch(update)
+      totals = algorithms.batch_totals(micro_data['action_mask'])
+      grads, step_metrics = _accumulate(
+          lambda p, m: loss_fn(p, m, totals), params, micro_data,
+          cfg.optim.microbatches, self._param_shardings['policy'])
+      updates, opt_state = self.actor_tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return (params, opt_state), dict(step_metrics,
+                                       grad_norm=optax.global_norm(grads))
+
+    steps = epochs * minibatches
+    (policy, actor_opt), per_step = jax.lax.scan(
+        one_update, (state.policy, state.actor_opt), jnp.arange(steps))
+    metrics = {}
+    for name, values in per_step.items():
+      reduce = {'ratio_min': jnp.min, 'ratio_max': jnp.max}.get(name, jnp.mean)
+      metrics[name] = reduce(values)
+    metrics['loss_first'] = per_step['loss'][0]
+    metrics['optimizer_steps'] = jnp.asarray(steps, _F32)
+    # Warm-up counts optimizer steps: the rate of the batch's last step.
+    metrics['learning_rate'] = optimizers.schedule(cfg.optim.actor)(
+        (state.step + 1) * steps - 1)
+    return policy, actor_opt, metrics
+
+
+def minibatch_permutation(seed: int, version, epoch, num_rows: int):
+  """The row order of one pass over a batch: fixed by seed, version, pass."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), version),
+                           epoch)
+  return jax.random.permutation(key, num_rows)
+
+
+def _accumulate(loss_fn, params, data, microbatches: int, shardings):
+  """Sum of gradients (and micro-batch-weighted metrics) over micro-batches.
+
+  `loss_fn(params, micro) -> (weighted_loss, metrics)` returns each
+  micro-batch's share of the full-batch loss, so the sum is the full-batch
+  gradient; token-count metrics add up and ratios are averaged by share.
+  Gradients are pinned to `shardings` (the parameters' FSDP layout): left to
+  propagation, a loop-carried sum can come out replicated, and then every
+  device holds a full copy of the model's gradients.
+  """
+  pin = lambda tree: jax.lax.with_sharding_constraint(tree, shardings)
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  if microbatches == 1:
+    grads, metrics = grad_fn(params, data)
+    return pin(grads), metrics
+  # Strided, not contiguous: micro-batch m is rows m, m + M, m + 2M, ... so
+  # that each takes the same number of rows from every batch shard (the rows
+  # are sharded in contiguous blocks) and no micro-batch idles devices.
+  split = jax.tree.map(
+      lambda x: jnp.swapaxes(
+          x.reshape((x.shape[0] // microbatches, microbatches)
+                    + x.shape[1:]), 0, 1), data)
+
+  def body(carry, micro):
+    grads, metrics = grad_fn(params, micro)
+    summed = pin(jax.tree.map(jnp.add, carry[0], pin(grads)))
+    return (summed, jax.tree.map(jnp.add, carry[1], metrics)), None
+
+  zeros = pin(jax.tree.map(jnp.zeros_like, params))
+  first = jax.tree.map(lambda x: x[0], split)
+  metric_zeros = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype),
+      jax.eval_shape(lambda: grad_fn(params, first)[1]))
+  (grads, metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), split)
+  # Metrics of each micro-batch are its own means: report their average.
+  metrics = jax.tree.map(lambda m: m / microbatches, metrics)
+  return grads, metrics
+
+
+def _global_array(local, target_sharding):
+  """A global jax.Array from this process's rows (single- or multi-host)."""
+  local = np.asarray(local)
+  if jax.process_count() == 1:
+    return jax.device_put(local, target_sharding)
+  global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+  return jax.make_array_from_process_local_data(target_sharding, local,
+                                                global_shape)
+
+
+def mesh_from_config(config, devices=None):
+  """The learner's mesh: config.mesh resolved against the devices."""
+  devices = jax.devices() if devices is None else devices
+  sizes = sharding.mesh_shape(dict(config.mesh), len(devices))
+  return sharding.make_mesh(sizes, devices)
