@@ -32,7 +32,7 @@ demo: $(VENV)/.installed
 # Two pytest workers (pytest-xdist): 19.7 min instead of 32.3 on two cores.
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -51,6 +51,8 @@ _TENSORFLOW_NOISE = (
     'cpu_feature_guard.cc',
     'To enable the following instructions:',
     'failed call to cuInit',
+    # TensorFlow 2.21 on x86 CPUs (twice during the import).
+    'oneDNN custom operations are on',
 )
 
 

@@ -39,6 +39,13 @@ def pytest_runtest_logreport(report):
     _executed['count'] += 1
 
 
+def pytest_collection_modifyitems(config, items):
+  """Slow tests first (stable otherwise): on xdist workers the minute-long
+  runs then overlap the short tests instead of finishing the session alone."""
+  del config
+  items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+
+
 def pytest_sessionfinish(session, exitstatus):
   del exitstatus
   collect_only = session.config.getoption('collectonly', default=False)
