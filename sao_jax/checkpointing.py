@@ -1,50 +1,24 @@
 """Learner checkpoints: sharded state plus JSON metadata, saved atomically.
 
-A learner checkpoint is one orbax step directory holding two items:
-
-  <directory>/<step>/state/     the learner pytree (params, optimizer state,
-                                RNG keys, counters), each array written shard
-                                by shard by the host that owns it;
-  <directory>/<step>/metadata/  a JSON dict (data cursor, policy version, queue
-                                counters, running-mean slot map, config
-                                snapshot).
-
-Both items live under one step directory and are finalized together, so a
-restore never pairs the arrays of one step with the data cursor of another.
-
-Atomicity. orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
-to `<step>` only when every item is complete (on object stores without atomic
-rename it writes `commit_success.txt` last instead). `latest_step`, `all_steps`
-and `restore` only ever see finalized steps, so a process killed mid-save
-leaves at worst an unfinalized temporary directory that is ignored, and
-deleted by the next `Checkpointer` opened on the directory before its first
-save.
-
-Saving is asynchronous. `save` returns once the arrays are copied off the
-accelerator (that part blocks, so the caller may donate or overwrite the
-buffers right after); the files are written by a background thread while
-training continues. A new `save` first waits for the previous one, and `wait()`
-blocks until the last save is durable. Call `wait()` (or `close()`) before the
-process exits, or the last checkpoint is lost: it is then merely unfinalized,
-never half-loaded.
-
-Multi-host: every process must call `save`, `restore` and `wait` at the same
-steps (they are collectives); each host writes only its own shards, and the
-metadata is written by the primary process, so it must be the same on all.
-
-Stopping on SIGTERM. `install_sigterm_handler()` returns a `StopFlag`; the
-signal handler only records the signal. The training loop polls
-`flag.should_stop()` once per step and, when it is true, saves with
-`force=True`, calls `wait()` and returns:
+A step directory holds the learner's state pytree (each host writes its own
+shards) and a JSON metadata dict (data cursor, queue counters, config
+snapshot), finalized together. Saves are asynchronous; stopping on SIGTERM
+goes through a flag the training loop polls:
 
     stop = checkpointing.install_sigterm_handler()
-    for step in range(start, num_steps):
-      state, metadata = train_step(state, ...)
-      ckpt.save(step, state, metadata)
-      if stop.should_stop():
-        ckpt.save(step, state, metadata, force=True)
-        break
-    ckpt.wait()
+    with checkpointing.Checkpointer(directory, save_interval_steps=100) as ckpt:
+      if ckpt.latest_step() is not None:
+        state, metadata = ckpt.restore(abstract_state=abstract_state)
+      for step in range(start, num_steps):
+        state = train_step(state, ...)
+        ckpt.save(step, state, metadata)  # only at multiples of the interval
+        if stop.should_stop():
+          ckpt.save(step, state, metadata, force=True)
+          break
+
+Every process calls `save`, `restore` and `wait` at the same steps (they are
+collectives). Atomicity, the asynchronous save and the SIGTERM contract are
+explained in docs/design/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -124,8 +98,8 @@ class Checkpointer:
     Args:
       step: the training step; saved when it is a multiple of
         `save_interval_steps`, or whenever `force` is set.
-      state: a pytree of jax arrays (any sharding; typed PRNG keys allowed),
-        numpy arrays or Python scalars.
+      state: a pytree of jax arrays (any sharding), numpy arrays or Python
+        scalars.
       metadata: a JSON-able dict with string keys (no NaN or infinity, which
         JSON lacks). It is copied now, so the caller may keep mutating it
         while the save runs in the background. Tuples come back as lists.
@@ -154,7 +128,7 @@ class Checkpointer:
     saved = self._manager.save(
         step,
         args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(_keys_to_data(state)),
+            _STATE: ocp.args.StandardSave(state),
             _METADATA: ocp.args.JsonSave(metadata),
         }),
         force=force)
@@ -203,8 +177,8 @@ class Checkpointer:
         array leaves are `jax.ShapeDtypeStruct`s with a `.sharding` (or jax
         arrays, whose shape, dtype and sharding are used). Arrays are read
         straight into those shardings, each host reading only its shards, and
-        cast to those dtypes; typed PRNG key leaves come back as keys. Other
-        leaves (Python scalars) are restored as saved.
+        cast to those dtypes. Other leaves (Python scalars) are restored as
+        saved.
 
     Returns:
       `(state, metadata)`: state with `abstract_state`'s tree structure.
@@ -220,20 +194,14 @@ class Checkpointer:
     target = jax.tree_util.tree_map_with_path(
         _restore_target, abstract_state, is_leaf=_is_abstract_leaf)
     saved = self._manager.item_metadata(step)[_STATE]
-    key_paths = {_path_name(path) for path, leaf in
-                 jax.tree_util.tree_flatten_with_path(
-                     abstract_state, is_leaf=_is_abstract_leaf)[0]
-                 if _is_key(leaf)}
-    _check_matches(step, getattr(saved, 'tree', saved), target, key_paths)
+    _check_matches(step, getattr(saved, 'tree', saved), target)
     restored = self._manager.restore(
         step,
         args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardRestore(target),
             _METADATA: ocp.args.JsonRestore(),
         }))
-    state = jax.tree.map(_data_to_keys, restored[_STATE], abstract_state,
-                         is_leaf=_is_abstract_leaf)
-    return state, restored[_METADATA]
+    return restored[_STATE], restored[_METADATA]
 
   def close(self) -> None:
     """Waits for the last save and releases orbax's threads."""
@@ -261,43 +229,6 @@ class Checkpointer:
     return int(step)
 
 
-# -- typed PRNG keys ----------------------------------------------------------
-# Keys are stored as their raw uint32 key data, an ordinary array with one
-# trailing dimension (2 for threefry, 4 for rbg), and wrapped back using the
-# key dtype of the restore target. The on-disk format then does not depend
-# on orbax's own handling of key dtypes, and any reader of the checkpoint
-# sees plain uint32 arrays.
-
-
-def _is_key(x) -> bool:
-  return jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
-
-
-def _keys_to_data(state):
-  return jax.tree.map(
-      lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
-
-
-def _key_data_sharding(sharding, path: str):
-  """The sharding of a key array's data, whose rank is one higher."""
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    # A spec shorter than the rank leaves the trailing dimensions replicated,
-    # which is what the key-data dimension needs.
-    return sharding
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return sharding
-  raise TypeError(
-      f'abstract_state leaf {path!r} is a PRNG key with a'
-      f' {type(sharding).__name__}; use a NamedSharding or a'
-      ' SingleDeviceSharding for key leaves')
-
-
-def _data_to_keys(restored, abstract):
-  if _is_key(abstract):
-    return jax.random.wrap_key_data(restored, dtype=abstract.dtype)
-  return restored
-
-
 # -- restore targets ----------------------------------------------------------
 
 
@@ -316,11 +247,6 @@ def _restore_target(path, leaf):
         f'abstract_state leaf {name!r} (shape {leaf.shape}) has no sharding:'
         ' restore needs to know where each array goes; build the target with'
         ' jax.ShapeDtypeStruct(shape, dtype, sharding=...)')
-  if _is_key(leaf):
-    data = jax.eval_shape(jax.random.key_data,
-                          jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    return jax.ShapeDtypeStruct(data.shape, data.dtype,
-                                sharding=_key_data_sharding(sharding, name))
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
@@ -343,12 +269,10 @@ def _flat_by_path(tree) -> dict[str, Any]:
   return {_path_name(path): leaf for path, leaf in leaves}
 
 
-def _check_matches(step: int, saved_tree, target,
-                   key_paths: set[str]) -> None:
+def _check_matches(step: int, saved_tree, target) -> None:
   """Raises ValueError at the first leaf where checkpoint and target differ.
 
-  Leaves are compared in the target's flattening order; `key_paths` names the
-  PRNG key leaves, whose shapes are compared as key data.
+  Leaves are compared in the target's flattening order.
   """
   saved = _flat_by_path(saved_tree)
   wanted = _flat_by_path(target)
@@ -361,13 +285,10 @@ def _check_matches(step: int, saved_tree, target,
     saved_shape = _shape(saved[path])
     wanted_shape = tuple(np.shape(leaf))
     if saved_shape != wanted_shape:
-      note = (' (PRNG key data: the key shape plus one trailing dimension'
-              ' that depends on the key implementation)'
-              if path in key_paths else '')
       raise ValueError(
           f'checkpoint step {step} does not match abstract_state at leaf'
           f' {path!r}: checkpoint shape {saved_shape}, abstract_state shape'
-          f' {wanted_shape}{note}')
+          f' {wanted_shape}')
   for path, meta in saved.items():
     if path not in wanted:
       raise ValueError(

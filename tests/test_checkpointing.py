@@ -46,9 +46,6 @@ def learner_state():
   return {
       'params': params,
       'opt_state': opt_state,
-      'rng': jax.random.key(7),
-      'rbg_rng': jax.random.key(3, impl='rbg'),
-      'worker_rngs': jax.random.split(jax.random.key(11), 4),
       'step': jnp.int32(11),
       'tokens_seen': jnp.uint32(4_000_000_000),
   }
@@ -68,8 +65,6 @@ def assert_trees_equal(actual, expected):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     assert a.dtype == e.dtype
-    if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
-      a, e = jax.random.key_data(a), jax.random.key_data(e)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
@@ -90,29 +85,21 @@ def test_round_trip_of_learner_state_and_metadata(tmp_path):
   assert type(restored['opt_state'][0]) is type(state['opt_state'][0])
   np.testing.assert_allclose(restored['opt_state'][0].mu['w'], 0.05)
   assert int(restored['opt_state'][0].count) == 1
-  # Keys come back as keys of the same implementation that draw the same
-  # numbers, not as raw uint32 data.
-  assert restored['rbg_rng'].dtype == jax.random.key(0, impl='rbg').dtype
-  for name in ('rng', 'rbg_rng'):
-    np.testing.assert_array_equal(
-        jax.random.normal(restored[name], (5,)),
-        jax.random.normal(state[name], (5,)))
-  assert restored['worker_rngs'].shape == (4,)
 
 
 def test_restore_lands_in_target_sharding(tmp_path):
   saved_mesh = mesh((4, 2), ('data', 'fsdp'))
   target_mesh = mesh((2, 2, 2), ('x', 'y', 'z'))
   w = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
-  keys = jax.random.split(jax.random.key(5), 8)
+  rows = jnp.arange(8, dtype=jnp.uint32)
   state = {
       'w': jax.device_put(w, NamedSharding(saved_mesh, P('data', 'fsdp'))),
-      'keys': jax.device_put(keys, NamedSharding(saved_mesh, P('data'))),
+      'rows': jax.device_put(rows, NamedSharding(saved_mesh, P('data'))),
       'count': jax.device_put(jnp.int32(3), NamedSharding(saved_mesh, P())),
   }
   target_shardings = {
       'w': NamedSharding(target_mesh, P(None, ('x', 'z'))),
-      'keys': NamedSharding(target_mesh, P('y')),
+      'rows': NamedSharding(target_mesh, P('y')),
       'count': NamedSharding(target_mesh, P()),
   }
   target = jax.tree.map(
@@ -130,8 +117,7 @@ def test_restore_lands_in_target_sharding(tmp_path):
     assert shard.data.shape == (8, 4)
     np.testing.assert_array_equal(shard.data, w[shard.index])
   np.testing.assert_array_equal(restored['w'], w)
-  np.testing.assert_array_equal(jax.random.key_data(restored['keys']),
-                                jax.random.key_data(keys))
+  np.testing.assert_array_equal(restored['rows'], rows)
   assert int(restored['count']) == 3
 
 
@@ -187,7 +173,7 @@ def test_bad_metadata_is_refused_before_saving(tmp_path):
 
 def test_mismatched_target_names_leaf_and_shapes(tmp_path):
   state = {'params': {'w': jnp.zeros((4, 8)), 'b': jnp.zeros(8)},
-           'rng': jax.random.key(0)}
+           'step': jnp.int32(0)}
   with checkpointing.Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
     ckpt.save(3, state, {})
     good = abstract(state)
@@ -207,15 +193,10 @@ def test_mismatched_target_names_leaf_and_shapes(tmp_path):
                        'is not in the checkpoint'):
       ckpt.restore(abstract_state=missing)
 
-    extra = {'params': {'w': good['params']['w']}, 'rng': good['rng']}
+    extra = {'params': {'w': good['params']['w']}, 'step': good['step']}
     with pytest.raises(ValueError, match=r"checkpoint has leaf 'params/b' "
                        r'\(shape \(8,\)\) that abstract_state lacks'):
       ckpt.restore(abstract_state=extra)
-
-    other_impl = dict(good, rng=abstract(jax.random.key(0, impl='rbg')))
-    with pytest.raises(ValueError, match=r"leaf 'rng': checkpoint shape "
-                       r'\(2,\), abstract_state shape \(4,\) \(PRNG key'):
-      ckpt.restore(abstract_state=other_impl)
 
     no_sharding = dict(good, params=dict(
         good['params'], b=jax.ShapeDtypeStruct((8,), jnp.float32)))
@@ -257,7 +238,7 @@ _SAVE_AND_STALL = textwrap.dedent('''
 
     cls.finalize = stalling_finalize
     ckpt = checkpointing.Checkpointer(directory, save_interval_steps=1)
-    ckpt.save(2, {'w': jnp.full(16, 2.0), 'rng': jax.random.key(2)},
+    ckpt.save(2, {'w': jnp.full(16, 2.0), 'step': jnp.int32(2)},
               {'step': 2})
     ckpt.wait()
 ''')
@@ -302,7 +283,7 @@ def _kill_mid_save(directory, stall_at, marker):
 def test_save_killed_mid_save_is_never_loaded(tmp_path, stall_at, written):
   marker = tmp_path / 'stalled'
   tmp_path = tmp_path / 'checkpoints'
-  state = {'w': jnp.full(16, 1.0), 'rng': jax.random.key(1)}
+  state = {'w': jnp.full(16, 1.0), 'step': jnp.int32(1)}
   target = abstract(state)
   with checkpointing.Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
     ckpt.save(1, state, {'step': 1})
@@ -324,9 +305,9 @@ def test_save_killed_mid_save_is_never_loaded(tmp_path, stall_at, written):
       ckpt.restore(2, abstract_state=target)
 
     # Saving again in the same directory works, the same step included.
-    assert ckpt.save(2, {'w': jnp.full(16, 2.5), 'rng': jax.random.key(2)},
+    assert ckpt.save(2, {'w': jnp.full(16, 2.5), 'step': jnp.int32(2)},
                      {'step': 2})
-    assert ckpt.save(3, {'w': jnp.full(16, 3.0), 'rng': jax.random.key(3)},
+    assert ckpt.save(3, {'w': jnp.full(16, 3.0), 'step': jnp.int32(3)},
                      {'step': 3})
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2, 3]

@@ -20,7 +20,7 @@ over a stale cache, so the learner's recomputation of mu_t matches across the
 switch. Weights live in a `WeightsHolder`
 the engine reads on every call (the orchestrator captures `params` once per
 thread, which would pin the first weights forever), swapped atomically by the
-admin service or, in one process, by the learner.
+admin service.
 
 A slot that samples a stop token still emits it (the client sees EOS), then
 turns invalid on the next step, which is how the orchestrator learns it is
@@ -217,10 +217,6 @@ class Engine(engine_api.Engine):
 
   def _place(self, state):
     return jax.device_put(state, self._shardings)
-
-  def update_weights(self, state, version: int) -> None:
-    """Swaps in new parameters (an nnx State of the same model) atomically."""
-    self.weights.swap(self._place(state), version)
 
   def abstract_state(self):
     """The parameter state's shapes, dtypes and shardings (for restores)."""
