@@ -67,7 +67,8 @@ def batch_parallelism(sizes: Mapping[str, int]) -> int:
 # Logical parameter/activation axis -> mesh axes. Parameters shard their
 # `embed` dimension over fsdp (ZeRO-3 style) and their head / MLP / vocab
 # dimensions over tensor (Megatron style); the layer axis of the stacked blocks
-# is never sharded. Overridable per recipe through config.sharding_rules.
+# is never sharded. The learner and the engine take other rules as an argument;
+# no config key sets them.
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),
     ('layers', None),

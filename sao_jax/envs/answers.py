@@ -1,25 +1,14 @@
 """Finding the final answer in a model reply.
 
-Rewards score the extracted answer, never the raw reply: a scorer handed the
-whole reply can be gamed or misled (reasoning-gym's `gsm_symbolic` scorer
-reads the *first* number, so a reply that restates the question scores
-whenever the answer is the question's first number, and a worked solution is
-judged by its first intermediate result; substring scorers credit a reply
-that contains the answer among other digits). Extraction picks one answer by
-a fixed priority, so a reply commits to exactly one:
+Rewards score the extracted answer, never the raw reply:
 
-  1. the last `<answer>...</answer>` span (an explicit commitment);
-  2. else the last `\\boxed{...}` (the convention of math-tuned models);
-  3. else, by `kind`: for 'numeric' and 'math' the last number of the reply,
-     for 'expression' the last non-empty line (left of any '='), for 'text'
-     the last non-empty line.
+  answers.extract_answer('so <answer>3 + 4 = 7</answer>', kind='numeric')  # '7'
 
-For 'numeric' (integer and decimal answers), a tagged or boxed span is itself
-reduced to its last number ('<answer>3 + 4 = 7</answer>' -> '7',
-'\\boxed{\\$1,250.}' -> '1250'), so scorers only ever compare numbers and a
-restated question ('<answer>3 + 4</answer>') is not an answer. 'math' keeps
-the span whole for a symbolic checker (math_verify), since '\\frac{1}{2}' is
-an answer there; such a checker also accepts an unevaluated '3 + 4' for 7.
+Extraction picks one answer by a fixed priority (the last `<answer>` span,
+else the last `\boxed{}`, else by `kind` the last number or line), so a reply
+commits to exactly one. `instruction` / `with_instruction` write the answer
+format into a prompt; `math_equal` compares symbolically (math_verify). Why
+whole-reply scorers are not trusted: docs/design/environments.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """A multi-turn tool environment: arithmetic with a calculator.
 
 Tasks are products and sums of multi-digit integers ('What is 4821 * 37 +
-912?'), which a small model gets wrong by heart and right with a calculator.
-In a turn the model may call the tool by writing `<calc>EXPR</calc>`; the
-observation is one `<result>VALUE</result>` per call (or `<error>...</error>`),
-and the episode goes on. It ends when a reply gives a final answer:
-
-  * `<answer>N</answer>` anywhere in the reply (wins over tool calls), or
-  * a reply with no tool call whose last number is taken as the answer;
-
-or at `max_turns`: a last turn without a final answer ends with reward 0 and
-`finish_reason` 'turns'. A turn with neither a call nor a number is told how
-to answer and continues.
-
-Tool calls are model-written text, evaluated with `arithmetic.evaluate` under
-`CALCULATOR_LIMITS`: numbers and + - * / ** // % only, a length cap, a small
-exponent cap and bounded intermediate results, so '9**9**9', names,
-attributes and 10k-character expressions come back as error observations,
-never as exceptions or hangs.
-
-Latency. A real tool takes time, and a slow call must not block the other
-episodes: `astep` sleeps (asyncio) for a latency drawn from a lognormal with
-median `tool_delay_median_s` and log-space deviation `tool_delay_sigma`, whose
-heavy right tail (p99 ~ median * e^(2.33 sigma)) is what makes asynchronous
-rollouts pay off. The draw (`latency.lognormal_seconds`) is seeded by (seed,
-task id, turn), so the same episode waits the same time in every run.
+912?'). In a turn the model may call the tool with `<calc>EXPR</calc>` and is
+answered `<result>VALUE</result>` (or `<error>...</error>`); the episode ends
+at a final answer (`<answer>N</answer>`, or a reply without a call whose last
+number is taken) or at `max_turns`. Tool calls are evaluated by
+`arithmetic.evaluate` under `CALCULATOR_LIMITS`, so hostile expressions come
+back as error observations. Each call waits a seeded heavy-tailed latency
+(`tool_delay_median_s`, `tool_delay_sigma`) with asyncio. The rules and why:
+docs/design/environments.md.
 """
 
 from __future__ import annotations

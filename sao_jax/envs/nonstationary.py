@@ -1,43 +1,16 @@
 """A task whose rewarded answer format changes during training.
 
-For the online-learning experiment: the learner must notice that what used to
-be rewarded no longer is, and adapt while rollouts keep flowing. The phase is
-the number of `switch_steps` the learner's policy step has reached
-(`on_policy_step`); phase p rewards format `formats[p]`:
+  env = nonstationary.NonStationaryEnvironment(
+      base_env, formats=('statement', 'equation'), switch_steps=(100,))
 
-  tagged     the reply contains '<answer>N</answer>'
-  sentence   the reply ends with 'The answer is N.' (final period optional)
-  bracket    the reply ends with '[N]'
-  statement  the reply ends with 'is N.' ('The sum is 7.'; period optional)
-  equation   the reply ends with '= N' ('3 + 4 = 7'; period optional)
-
-The reward is 1 only when the reply is in the current phase's format AND the
-number N given in that format is correct; either alone earns 0.
-
-The default phases suit the default policy, SmolLM2-135M-Instruct. A phase
-can only be learned if the policy sometimes produces its format: on 200
-chain_sum questions (2 one-digit terms, 'plain' prompt, greedy) SmolLM2's
-replies end in 'is N.' 130 times and in '= N' 52 times, but it never writes
-'<answer>' tags or '[N]', even when the prompt asks for them, and 'The answer
-is N.' appears 9 times. So the default alternates 'statement' and 'equation'
-(mutually exclusive, both common), and returns to the first to test
-re-adaptation; 'tagged' / 'sentence' / 'bracket' suit larger models.
-
-Design choices:
-
-  * The prompt does not change with the phase (it is the base environment's
-    own prompt). The switch is felt only through the reward, which is what
-    makes the problem non-stationary for the learner rather than a new
-    instruction to follow; the base environment's answer instruction should
-    therefore not name a format (`answer_format='none'` or 'plain').
-  * Correctness is the base environment's judgement, so any numeric
-    environment can be wrapped: the number found in the phase's format is
-    handed to `base_env.step` as the reply '<answer>N</answer>', which every
-    environment here extracts first.
-  * An episode is judged by the phase current when it ends, not when it began:
-    a trajectory that was generated under the old phase but finishes after
-    the switch is scored by the new rules, as a deployed system would be. Its
-    info records the phase it was judged in.
+For the online-learning experiment: phase p (the number of `switch_steps` the
+learner's policy step has reached, told through `on_policy_step`) rewards the
+format `formats[p]` (tagged, sentence, bracket, statement, equation), and the
+reward is 1 only when the reply is in that format and its number is correct
+by the base environment's judgement. The prompt never changes; an episode is
+judged by the phase current when it ends. Why the defaults alternate
+'statement' and 'equation', and the other design choices:
+docs/design/environments.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """reasoning-gym procedural datasets as environments.
 
-Splits. reasoning-gym generates item `idx` of a dataset from
-`Random(seed + idx)`, so two datasets whose seeds differ by less than their
-size share items (item i+1 of seed s is item i of seed s+1). The eval split
-therefore uses seed `seed + EVAL_SEED_OFFSET`, far beyond any size we allow:
-no eval item is a shifted copy of a train item. Small settings still repeat
-*questions* by chance (chain_sum with 2 one-digit terms has 200), which
-`task_stream.TaskStream` removes by exact question match. Indices wrap modulo
-the split's size, so a training stream never runs out.
+  env = reasoning_gym_env.ReasoningGymEnvironment('chain_sum', seed=0)
 
-Scoring. The reward scores the final answer extracted from the reply
-(`answers.extract_answer`), never the raw reply. Each dataset's own
-`score_answer` is used where it is sound on that answer; the checked
-datasets, and what was found:
-
-  chain_sum, basic_arithmetic  numeric extraction. chain_sum compares
-      `Decimal`s ('7.0' == '7'); basic_arithmetic compares strings, which the
-      canonical number spelling makes agree. Both give *partial credit* to a
-      wrong answer that contains the right one as a substring
-      (len(oracle)/len(answer): '17' or '-7' for 7 gets 0.5, '--4' for -4
-      0.67); the reward keeps only full credit unless `partial_credit`.
-  gsm_symbolic  its scorer reads the *first* number of what it is given
-      (0.01 for any other number). Given a reply, a restated question scores
-      1.0 whenever the answer is the question's first number (1.4% of items),
-      whatever the reply concludes, and a worked solution is judged by its
-      first intermediate number; '1,250' is read as 1. Replaced: the extracted
-      final number is checked with `math_verify`.
-  countdown  its scorer runs sympy's `parse_expr` (which `eval`s Python) on the
-      model's text: unsafe and unbounded ('9**9**9'). Replaced by
-      `arithmetic.check_countdown` under the same rule (every number exactly
-      once), evaluated with simpleeval.
-
-Other datasets run with 'text' extraction and their own scorer, unchecked:
-review a dataset's scorer before training on it.
+(or `config.task.name='<dataset>'`). The eval split uses a seed far from the
+train one, so no eval item is a shifted copy of a train item; indices wrap, so
+a training stream never runs out. The reward scores the extracted final answer
+with the dataset's own scorer where that is sound, and replaces the scorers
+found unsound (gsm_symbolic, countdown). What was checked per dataset, and
+why: docs/design/environments.md. Review a dataset's scorer before training on
+one not listed there.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """A task for the tiny word-vocabulary model: say words from a target set.
 
-The tiny random model (`sao_jax.models.tiny`) has no arithmetic to learn; this
-environment gives it a reward it can climb within a CI run: the fraction of the
-reply's words that belong to a target set (even-numbered words `w0, w2, ...`).
-The whole training pipeline (servers, workers, queue, learner, checkpoints)
-runs unchanged on it, in seconds per step.
-
-Options, all off by default, make it a quick testbed for the algorithm
-comparisons of benchmarks/:
-
-  * Phases (online learning). At each of `switch_steps` (learner policy steps,
-    told through `on_policy_step`) the target parity flips: phase 0 rewards
-    even words, phase 1 odd ones, phase 2 even again, and so on. An episode is
-    judged by the phase current when it ends, as in `nonstationary`, and its
-    info records that phase; the held-out evaluation also judges by the
-    current phase, so it measures how well the policy tracks the switch.
-  * Latency. `astep` first sleeps (asyncio) for a heavy-tailed lognormal delay
-    per turn (`latency.lognormal_seconds`, seeded by seed, task id and turn),
-    then judges; `step`, which evaluation calls, never sleeps.
-  * Multi-turn (`turns` > 1), to exercise skip-observation GAE. Every reply but
-    the last is answered by a user turn of `observation_words` words drawn
-    from the task id and turn (observation tokens, never trained on); the
-    last reply ends the episode. The reward is the share of target words among
-    all the words of all the episode's replies (pooled: a reply weighs by its
-    word count, and an empty reply adds nothing rather than a 0 share). `step`
-    sees one reply, so the counts of earlier turns travel in the task's
-    metadata (`StepResult.next_task`).
+The tiny random model (`sao_jax.models.tiny`) has no arithmetic to learn; the
+reward here is the fraction of the reply's words that belong to a target set
+(even-numbered words `w0, w2, ...`), which it can climb within a CI run while
+the whole pipeline runs unchanged. Options, all off by default, make it a
+testbed for the benchmarks: phases (`switch_steps`: the target parity flips),
+simulated latency per turn, and multi-turn episodes (`turns` > 1, with
+observation turns for skip-observation GAE). Details:
+docs/design/environments.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Layers are stacked (one parameter array per kind with a leading `layers` axis)
 and run with `jax.lax.scan`: compile time does not grow with depth, which is
 what makes 8B-class models compile for TPU pods in minutes. Every parameter
 carries `logical_axes` metadata (`embed`, `mlp`, `heads`, `kv_heads`, `vocab`,
-...) that `sao_jax.sharding` maps to mesh axes by rules from the config.
+...) that `sao_jax.sharding` maps to mesh axes by its logical-axis rules.
 
 The same `Decoder.__call__` serves three modes:
   * training / scoring: full sequences, no cache;

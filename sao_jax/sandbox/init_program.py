@@ -1,30 +1,15 @@
 """The init of one sandboxed run: PID 1 of its namespaces, if it has any.
 
-`runner.py` (the library rollout workers call) starts this file by its path
-for every execution, as
+`runner.py` starts this file by its path for every execution, as
 
   python -I -S init_program.py key=value...
 
-inside the new namespaces when the mode has them (`unshare ... -- python
-...`). It builds the run's root, forks and execs the program as
-`python -I main.py`, waits for it, enforces the wall-clock deadline and writes
-a one-line status file into the run's host directory, which the library
-turns into an `ExecutionResult`. In 'none' mode it runs on the host instead,
-as the subreaper of whatever the program detaches, and kills it at the end.
-
-The root is built from scratch in a tmpfs: read-only binds of /usr, /etc,
-/bin, /lib* and the interpreter's prefixes (the `bind=` arguments), the
-namespace's own /proc, a minimal /dev, and one size-capped tmpfs behind /tmp,
-/var/tmp, /dev/shm and the working directory /sandbox; then it is moved onto
-/ and entered. The forked child takes its credentials (a uid of the run's
-own, or a nested user namespace) and its rlimits right before the exec.
-
-It imports only what it needs (no `sao_jax` module: it runs outside the
-package under `-I -S`; no asyncio, logging, subprocess and their friends,
-which would add about 50 ms) because it starts once per execution. The
-library also loads it as a module, for the names of the host directory's
-entries and the layout constants below, so that both sides share one
-definition of them.
+(inside `unshare ... --` when the mode has namespaces). It builds the run's
+root, forks and execs the program, enforces the deadline and writes a
+one-line status file into the run's host directory. It imports no `sao_jax`
+module and as little else as it can, since it starts once per execution; the
+library imports it too, for the host directory's entry names and the layout
+constants below. The root it builds is described in docs/design/sandbox.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """What the sandbox achieves on this machine: its modes, and their probe.
 
-The namespaces `runner.py` relies on are not available everywhere, so the
-sandbox runs in the best of three modes that works here (`sandbox.isolation()`
-probes once per process, with `probe` below):
-
-  'root'    the trainer is root (CI machines): the namespaces are created
-            directly and the program runs as a random unprivileged uid. Root
-            ignores RLIMIT_NPROC and can write anywhere; a uid of its own also
-            gives each run its own process count, where a shared `nobody`
-            would let one fork bomb starve the concurrent runs.
-  'userns'  an ordinary user with unprivileged user namespaces (most laptops):
-            `unshare --user --map-root-user ...` builds the same root, and the
-            program then enters a nested user namespace so that it holds no
-            capability over its mounts. It keeps the user's supplementary
-            groups (the kernel forbids dropping them there), which is why no
-            host socket directory is mounted.
-  'none'    neither works (no `unshare`, namespaces disabled, a container
-            without CAP_SYS_ADMIN): rlimits, the deadline and the kill only
-            (the init is the subreaper of whatever the program detaches). The
-            program has the host's network and file system, as the trainer's
-            user (as root: a random uid, so the interpreter must be readable
-            by anyone). `ExecutionResult.network_isolated` is False and a
-            warning is logged once: never silently.
-
-Standard library only, like the rest of `sao_jax.sandbox`.
+`probe(try_mode, path)` finds the best of the modes 'root', 'userns' and
+'none' that works here (`runner.isolation()` calls it once per process) and
+returns an `Isolation` saying what that mode contains. What each mode
+isolates, and why, is in docs/design/sandbox.md. Standard library only, like
+the rest of `sao_jax.sandbox`.
 """
 
 from __future__ import annotations

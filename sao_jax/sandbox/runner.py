@@ -1,53 +1,17 @@
 """Runs untrusted, model-generated Python in a contained child process.
 
-Code environments execute what the policy writes, and RL makes that code
-adversarial: whatever raises the reward (or merely happens to be emitted once
-in a million samples, like `shutil.rmtree(os.path.expanduser('~'))`) will be
-run. Every execution therefore gets:
+This is the library side of the sandbox, which code environments call:
 
-  * a fresh `python -I` (no user site, no PYTHON* variables) with an explicit,
-    minimal environment: none of the trainer's variables (tokens, keys) leak;
-  * rlimits set in the child before exec: CPU seconds, address space, file
-    size, processes, open files, no core dumps;
-  * a wall-clock deadline after which every process of the run is killed;
-  * where the kernel allows it (see `isolation()`), Linux namespaces:
-    - network: a new namespace holding only a downed loopback, so no
-      connection succeeds, not even to the trainer's 127.0.0.1 services;
-    - PID: the run's init is PID 1, and when it exits the kernel kills every
-      process left in the namespace, so fork bombs and daemons never outlive
-      the call;
-    - IPC and UTS;
-    - mount: a root built from scratch with read-only binds of /usr, /etc,
-      /bin, /lib* and the interpreter's prefixes, the namespace's own /proc,
-      a minimal /dev, and one size-capped tmpfs behind /tmp, /var/tmp,
-      /dev/shm and the working directory /sandbox. Nothing else of the host
-      exists there (home directories, the repository, /run's sockets), and
-      whatever the program writes vanishes with the namespace.
+  result = runner.run_python(source, timeout_s=10.0)         # blocking
+  result = await runner.arun_python(source, timeout_s=10.0)  # in an event loop
+  result.ok, result.returncode, result.stdout, result.network_isolated
 
-Three modes, the best this machine allows found once per process by
-`isolation()` (see `isolation_lib.py`): 'root' and 'userns' have every
-namespace above; 'none' (no `unshare`, namespaces disabled, a container
-without CAP_SYS_ADMIN) has only the rlimits, the deadline and the kill, with
-the host's network and file system, and is logged as a warning: never
-silently.
-
-A run costs about 30 ms more than a bare interpreter (41 ms against 11 ms for
-`pass` on a 2-core VM), mostly the init's own interpreter start.
-
-This module is the library rollout workers use: `run_python`, `arun_python`,
-`isolation`. The init of each run is a program of its own, `init_program.py`,
-started by its path as `python -I -S init_program.py key=value...` (inside
-the namespaces when there are any): it builds the root, forks and execs the
-program, waits for it, enforces the deadline and writes a one-line status
-file. It is kept apart, and imports almost nothing, because it starts once
-per execution.
-
-Not covered: kernel exploits (there is no seccomp filter); the total memory of
-many processes (the address-space limit is per process, so a fork bomb can map
-up to `max_procs * memory_mb`: give the trainer a cgroup limit for a hard
-bound); and anything a program does inside its own process, such as exiting 0
-before a test harness appended to it runs (see the HumanEval environment's
-sentinel).
+Each execution gets a fresh `python -I` with a minimal environment, rlimits, a
+wall-clock deadline and, where the kernel allows it, network, PID, IPC, UTS
+and mount namespaces; `isolation()` says which of the three modes ('root',
+'userns', 'none') this machine gets. The per-run init is `init_program.py`,
+started by its path. The threat model, the modes and what is not covered are
+in docs/design/sandbox.md.
 """
 
 from __future__ import annotations
