@@ -1,22 +1,15 @@
 """Held-out evaluation of the policy: accuracy, its standard error, a report.
 
-The trainer scores the policy on a held-out set at the start and end of a run
-and every N steps, so a run's claim of improvement rests on this module.
+  tasks = evaluation.held_out_tasks(env, n=200)
+  before = evaluation.evaluate(model, tok, env, tasks, max_new_tokens=32)
+  ...
+  after = evaluation.evaluate(model, tok, env, tasks, max_new_tokens=32)
+  print(evaluation.format_report(before, after))  # `compare` gives the numbers
 
-The held-out set is the first `n` tasks of the eval split, repeats allowed
-(`held_out_tasks`): a sample from the task distribution, so that accuracy
-estimates what training optimises. Small procedural settings cannot afford
-distinct questions anyway: chain_sum with 2 one-digit terms has 200 questions
-in all, and the first 200 eval tasks hold about 130 of them. Training excludes
-the distinct questions of the set by exact match (`task_stream.TaskStream`).
-
-Generation is greedy by default and runs through `decoding.generate` on
-prompts sorted by length (less padding), in equal batches whose last one is
-padded with a repeated prompt: the same tasks always give the same shapes, so
-repeated evaluations reuse the compiled prefill and decode steps. Rows never
-interact, so under greedy decoding a reply depends neither on the batch it
-landed in nor on how often its question occurs, and each distinct prompt is
-generated once.
+The trainer runs this at the start, every `eval.every` steps and at the end.
+Generation is greedy by default, batched so that repeated evaluations reuse
+their compiled steps. Why the set allows repeats and how batching keeps replies
+independent of their batch: docs/design/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """A quiet start on machines without TPUs or GPUs.
 
 `sao_jax/__init__.py` calls `install()` before anything imports JAX or
-TensorFlow. On a host with neither, two libraries print alarming errors at
-every start that mean nothing there:
-
-- libtpu (installed by the test extras, for compile-only TPU devices): JAX's
-  backend discovery loads it, and without TPU metadata it logs an
-  `INVALID_ARGUMENT ... TPU_WORKER_HOSTNAMES` trace. With no accelerator
-  device node and `JAX_PLATFORMS` unset, `install` sets `JAX_PLATFORMS=cpu`,
-  the platform JAX ends up with anyway. Compile-only TPU devices
-  (`tpu_aot`) still work: they do not depend on `JAX_PLATFORMS`.
-- TensorFlow (JetStream imports it through seqio; TensorBoard logging too):
-  loading its CUDA stubs logs `Could not find cuda drivers` twice (before
-  any log level applies), and its first look for GPUs logs `failed call to
-  cuInit` (an absl init callback of TensorFlow's makes that look when absl
-  starts a program). With no NVIDIA device node, the first import of
-  TensorFlow runs with those lines dropped from stderr (anything else it
-  prints there is passed on), and on a host without any accelerator it looks
-  for GPUs right then, inside the filter. `TF_CPP_MIN_LOG_LEVEL=0` (every
-  line wanted) turns this off; JAX sets it to 1 when unset, so other values
-  are no one's choice to keep the noise.
-
-A machine with a device node, or a user who set `JAX_PLATFORMS`, gets the
-libraries' defaults: nothing here hides a real accelerator's messages.
+TensorFlow. With no accelerator device node and `JAX_PLATFORMS` unset, it
+sets `JAX_PLATFORMS=cpu`, which stops libtpu's TPU_WORKER_HOSTNAMES trace;
+with no NVIDIA device node, TensorFlow's first import runs with its CUDA,
+cuInit and CPU-feature notices dropped from stderr (`TF_CPP_MIN_LOG_LEVEL=0`
+turns that off). A machine with a device node, or a user who set
+`JAX_PLATFORMS`, gets the libraries' defaults. What each line is and why
+hiding it is safe: docs/design/quiet_start.md.
 """
 
 from __future__ import annotations
@@ -73,7 +58,7 @@ def install() -> None:
 
 
 class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
-  """Runs the first import of `tensorflow` quietly (see the module doc)."""
+  """Runs the first import of `tensorflow` quietly (see install)."""
 
   def __init__(self, look_for_gpus: bool):
     self._look_for_gpus = look_for_gpus
