@@ -383,10 +383,6 @@ class StopFlag:
     self.exit_immediately = False
     self._previous: dict[int, Any] = {}
 
-  def request_stop(self, signum: int = signal.SIGTERM) -> None:
-    """What the handler does; also callable directly (tests, a stop RPC)."""
-    self.signum = signum
-
   def _handle(self, signum, frame) -> None:
     del frame
     self.signum = signum
