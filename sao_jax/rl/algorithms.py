@@ -328,6 +328,9 @@ def resolve(config) -> Algorithm:
           config.policy_loss.old_logprobs].needs_proximal_logprobs)
 
 
+# -- the losses of one (micro-)batch -------------------------------------------
+
+
 def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
                 entropy_BxT=None, ref_logp_BxT=None, mesh=None):
   """The configured policy loss (`POLICY_LOSSES`) plus KL / entropy terms.
