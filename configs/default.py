@@ -26,6 +26,7 @@ Paper symbols are named next to each field.
 import ml_collections
 
 from sao_jax import config_lib
+from sao_jax.rl import algorithms
 
 
 def get_config(arg=None):
@@ -322,10 +323,10 @@ def _apply_algorithm_presets(c):
     ppo: classic PPO: fixed lambda for actor and critic, symmetric clip 0.2,
       no value pretraining, M = 4.
   """
-  if c.algorithm not in config_lib.ALGORITHMS:
+  if c.algorithm not in algorithms.ALGORITHMS:
     raise config_lib.ConfigError(
         f'unknown algorithm {c.algorithm!r}; expected one of'
-        f' {", ".join(config_lib.ALGORITHMS)}')
+        f' {", ".join(algorithms.ALGORITHMS)}')
   if c.algorithm in ('grpo', 'grpo_dis', 'vapo'):
     c.group_size = 8  # G (GRPO paper: 16 prompts x 8)
   if c.algorithm in ('grpo', 'grpo_dis'):

@@ -32,19 +32,6 @@ from sao_jax.models import pretrained
 from sao_jax.rl import algorithms
 from sao_jax.rl import losses
 from sao_jax import sharding
-# Algorithm name -> the advantage estimator and policy loss it is made of, and
-# whether it trains a critic. `validate` checks a config against this table;
-# the recipe files apply the matching presets (SAO.md §3).
-ALGORITHMS = {
-    'sao': dict(estimator='skip_observation_gae', loss='dis', critic=True),
-    'grpo': dict(estimator='grpo', loss='ppo', critic=False),
-    'grpo_dis': dict(estimator='grpo', loss='dis', critic=False),
-    'vapo': dict(estimator='skip_observation_gae', loss='ppo', critic=True),
-    'running_mean': dict(estimator='running_mean', loss='dis', critic=False),
-    'ppo': dict(estimator='skip_observation_gae', loss='ppo', critic=True),
-}
-ESTIMATORS = ('skip_observation_gae', 'grpo', 'dr_grpo', 'running_mean')
-POLICY_LOSSES = ('dis', 'ppo')
 RUNNING_MEAN_SCOPES = ('prompt', 'global')
 ADVANTAGE_VALUES = ('pre_update', 'post_update')
 DTYPES = ('float32', 'bfloat16')
@@ -141,16 +128,19 @@ def validate(config: ml_collections.ConfigDict,
   problems = []
   check = _Checker(config, problems)
 
-  algorithm = check.choice('algorithm', tuple(ALGORITHMS))
-  estimator = check.choice('advantage.estimator', ESTIMATORS)
-  loss = check.choice('policy_loss.name', POLICY_LOSSES)
-  if algorithm in ALGORITHMS and estimator and loss:
-    want = ALGORITHMS[algorithm]
-    family = 'grpo' if estimator == 'dr_grpo' else estimator
-    if (family, loss) != (want['estimator'], want['loss']):
+  # The names are the registries' keys (`sao_jax.rl.algorithms`); the recipe
+  # files apply each algorithm's presets (SAO.md §3).
+  algorithm = check.choice('algorithm', tuple(algorithms.ALGORITHMS))
+  estimator = check.choice('advantage.estimator',
+                           tuple(algorithms.ESTIMATORS))
+  loss = check.choice('policy_loss.name', tuple(algorithms.POLICY_LOSSES))
+  if algorithm in algorithms.ALGORITHMS and estimator and loss:
+    want = algorithms.ALGORITHMS[algorithm]
+    family = algorithms.ESTIMATORS[estimator].variant_of or estimator
+    if (family, loss) != (want.estimator, want.loss):
       problems.append(
           f'config.algorithm={algorithm!r} uses advantage.estimator'
-          f' {want["estimator"]!r} and policy_loss.name {want["loss"]!r}, but'
+          f' {want.estimator!r} and policy_loss.name {want.loss!r}, but'
           f' the config has {estimator!r} and {loss!r}; choose algorithms with'
           f' the recipe argument (--config=configs/<recipe>.py:algorithm='
           f'{algorithm}) so that their presets apply')
@@ -215,9 +205,12 @@ def validate(config: ml_collections.ConfigDict,
   if batch and group and batch % group:
     problems.append(f'config.batch_size={batch} is not divisible by'
                     f' config.group_size={group}')
-  if estimator in ('grpo', 'dr_grpo') and group is not None and group < 2:
+  min_group = (algorithms.ESTIMATORS[estimator].min_group_size if estimator
+               else 1)
+  if group is not None and group < min_group:
     problems.append(f'config.group_size={group}: advantage estimator'
-                    f' {estimator!r} needs groups of at least 2 samples')
+                    f' {estimator!r} needs groups of at least {min_group}'
+                    ' samples')
 
   staleness = check.non_negative_int('rollout.max_staleness')
   sync_every = check.positive_int('rollout.sync_every')

@@ -38,6 +38,7 @@ from typing import Any
 import ml_collections
 
 from sao_jax import config_lib
+from sao_jax.rl import algorithms
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = 'configs'
@@ -429,17 +430,17 @@ def render() -> str:
     ' the paper (SAO.md §3) before any override; `configs/default.py`\'s'
     ' `_apply_algorithm_presets` defines them. Changes from `algorithm=sao`:')
   sao = flatten(_load(f'{DEFAULT_CONFIG}:algorithm=sao'))
-  for name in config_lib.ALGORITHMS:
+  for name in algorithms.ALGORITHMS:
     if name == 'sao':
       continue
-    parts = config_lib.ALGORITHMS[name]
+    parts = algorithms.ALGORITHMS[name]
     preset = flatten(_load(f'{DEFAULT_CONFIG}:algorithm={name}'))
     rows = [r for r in _diff(sao, preset, keys) if r[0] != 'algorithm']
     w('')
     w(f'### algorithm={name}')
     w('')
-    w(f'Advantage estimator `{parts["estimator"]}`, policy loss `{parts["loss"]}`,'
-      f' {"a critic" if parts["critic"] else "no critic"}.')
+    w(f'Advantage estimator `{parts.estimator}`, policy loss `{parts.loss}`,'
+      f' {"a critic" if parts.critic else "no critic"}.')
     w('')
     w(f'| key | sao | {name} |')
     w('|---|---|---|')

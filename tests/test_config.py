@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax.rl import algorithms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
@@ -34,13 +35,13 @@ def test_config_files_document_their_command_and_validate(path):
   assert mesh['data'] * mesh['fsdp'] * mesh['tensor'] == devices
 
 
-@pytest.mark.parametrize('algorithm', list(config_lib.ALGORITHMS))
+@pytest.mark.parametrize('algorithm', list(algorithms.ALGORITHMS))
 def test_every_algorithm_preset_is_valid(algorithm):
   config = default(f'algorithm={algorithm}')
   config_lib.validate(config, num_devices=1)
-  want = config_lib.ALGORITHMS[algorithm]
-  assert config.policy_loss.name == want['loss']
-  assert config.advantage.estimator == want['estimator']
+  want = algorithms.ALGORITHMS[algorithm]
+  assert config.policy_loss.name == want.loss
+  assert config.advantage.estimator == want.estimator
 
 
 def test_presets_follow_the_paper():
@@ -121,7 +122,7 @@ def test_word_target_multi_turn_needs_a_request_per_episode():
 
 
 def test_skip_observations_defaults_to_sao_gae():
-  for algorithm in config_lib.ALGORITHMS:
+  for algorithm in algorithms.ALGORITHMS:
     assert default(f'algorithm={algorithm}').advantage.skip_observations
   config = default()
   config.advantage.skip_observations = False  # naive GAE, the ablation

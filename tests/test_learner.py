@@ -168,7 +168,7 @@ def test_nan_reward_skips_the_update_and_is_counted(one_device):
 
 
 @pytest.mark.parametrize('algorithm', [
-    a for a in config_lib.ALGORITHMS if a != 'sao'])  # sao: every other test
+    a for a in algorithms.ALGORITHMS if a != 'sao'])  # sao: every other test
 def test_every_algorithm_trains(algorithm):
   learner = make_learner(make_config(algorithm, **{'mesh.data': 1}),
                          jax.devices()[:1])
@@ -179,8 +179,8 @@ def test_every_algorithm_trains(algorithm):
     assert np.isfinite(m['policy/loss']) and m['policy/nonfinite_skips'] == 0
   after = flat(learner.state.policy)
   assert any(not np.array_equal(after[k], before[k]) for k in before)
-  assert ('critic/loss' in metrics[0]) == config_lib.ALGORITHMS[algorithm][
-      'critic']
+  assert ('critic/loss' in metrics[0]) == algorithms.ALGORITHMS[
+      algorithm].critic
 
 
 def test_frozen_attention_critic_keeps_attention_in_the_learner(one_device):

@@ -1,12 +1,15 @@
-"""Pallas TPU kernels for SAO's hot loops, with their XLA references.
+"""Pallas TPU kernels for SAO's hot loops, each next to its XLA reference.
 
-  sao_jax.kernels.dis_policy_loss(..., implementation='auto')
-  sao_jax.kernels.skip_observation_gae(..., implementation='auto')
+Each kernel's folder holds `reference.py` (the plain-JAX definition, which
+`sao_jax.rl.losses` / `sao_jax.rl.advantages` re-export), `pallas_tpu.py` (the
+kernel) and `api.py` (the dispatcher):
 
-take the arguments of `sao_jax.rl.losses.dis_policy_loss` and
-`sao_jax.rl.advantages.skip_observation_gae` (the definitions) and return the same
-results. 'auto' runs the Pallas kernel on TPU and the XLA reference elsewhere;
-'pallas' off a TPU runs the kernel in interpret mode.
+  sao_jax.kernels.dis_policy_loss(..., implementation='auto', mesh=None)
+  sao_jax.kernels.skip_observation_gae(..., implementation='auto', mesh=None)
+
+take the reference's arguments and return the same results. 'auto' runs the
+Pallas kernel on TPU and the XLA reference elsewhere; 'pallas' off a TPU runs
+the kernel in interpret mode. With a mesh the kernel runs per batch shard.
 """
 
 from sao_jax.kernels.dis_loss import api as dis_loss_api

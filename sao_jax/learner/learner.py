@@ -6,10 +6,11 @@ GAE with the length-adaptive lambda from the values as they were before those
 updates; then the policy updates: E passes over the batch, each in M shuffled
 mini-batches, one optimizer step per mini-batch (SAO: E = M = 1) with the DIS
 loss against the rollout engine's own log-probs. The paper's baselines swap the
-parts by name (config.algorithm): GRPO's group advantages, a running-mean
-baseline, PPO's clipped loss against an old policy (`policy_loss.old_logprobs`);
-`advantage.skip_observations=False` ablates the skip (naive GAE through
-observation tokens).
+parts, which the learner takes once from `algorithms.resolve(config)` (the
+estimator and loss registered under the config's names): GRPO's group
+advantages, a running-mean baseline, PPO's clipped loss against an old policy
+(`policy_loss.old_logprobs`); `advantage.skip_observations=False` ablates the
+skip (naive GAE through observation tokens).
 
 Sharding (pjit semantics through `jax.jit`): parameters are laid out over the
 `data x fsdp x tensor` mesh by their logical axes (`sao_jax.sharding`), the
@@ -30,7 +31,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sao_jax import config_lib
 from sao_jax.learner import optimizers
 from sao_jax.models import critic as critic_lib
 from sao_jax.models import sampling
@@ -56,7 +56,9 @@ class LearnerState(NamedTuple):
       frozen; all of them otherwise), or None without a critic.
     critic_frozen: the critic's frozen parameters (possibly empty), or None.
     actor_opt, critic_opt: optimiser states (critic_opt None without critic).
-    running_mean: the running-mean baseline's reward history, or None.
+    running_mean: what the advantage estimator carries between batches
+      (`algorithms.Estimator.init_state`: the running-mean baseline's reward
+      history), or None.
     ref_policy: the frozen initial policy of the reference-model KL
       (`policy_loss.ref_kl_coef` > 0), or None: one more copy of the policy's
       parameters, no optimizer state.
@@ -92,7 +94,8 @@ class Learner:
     self.config = config
     self.mesh = mesh
     self.rules = rules
-    self.uses_critic = config_lib.ALGORITHMS[config.algorithm]['critic']
+    self.algorithm = algorithms.resolve(config)
+    self.uses_critic = self.algorithm.uses_critic
     self.uses_ref_policy = bool(config.policy_loss.ref_kl_coef)
     self.sampling = sampling.SamplingParams(config.rollout.temperature,
                                             config.rollout.top_k,
@@ -171,13 +174,7 @@ class Learner:
 
   def _init_state(self, policy, critic, frozen) -> LearnerState:
     cfg = self.config
-    running_mean = None
-    if cfg.advantage.estimator == 'running_mean':
-      per_question = cfg.advantage.running_mean_scope == 'prompt'
-      running_mean = advantages.running_mean_init(
-          cfg.advantage.running_mean_slots if per_question else 1,
-          cfg.advantage.running_mean_window if per_question else 1,
-          cfg.advantage.running_mean_global_window)
+    running_mean = self.algorithm.estimator.init_state(cfg)
     return LearnerState(
         policy=policy, critic=critic, critic_frozen=frozen,
         actor_opt=self._sharded_opt_state(self.actor_tx, policy, 'policy'),
@@ -309,7 +306,7 @@ class Learner:
   def _train_step(self, state: LearnerState, batch):
     cfg = self.config
     metrics = {}
-    running_mean = state.running_mean
+    values = None  # the critic's, for an estimator that reads them
     if self.uses_critic:
       pre_update = cfg.advantage.values_from == 'pre_update'
       # Only read when the advantages need them (or the returns bootstrap).
@@ -323,11 +320,8 @@ class Learner:
       # return, and A = R - V shrinks towards 0.
       values = (values_before if pre_update
                 else algorithms.critic_values(self.critic_model(state), batch))
-      adv, _ = algorithms.gae(cfg, batch, values,
-                              algorithms.policy_lambda(cfg, batch), self.mesh)
-    else:
-      adv, running_mean = algorithms.trajectory_advantages(cfg, batch,
-                                                           running_mean)
+    adv, running_mean = self.algorithm.estimator.advantages(
+        cfg, batch, values, state.running_mean, self.mesh)
     if cfg.advantage.normalize:
       adv = advantages.normalize_advantages(adv, batch['action_mask'])
     adv = jax.lax.stop_gradient(adv)
@@ -338,7 +332,7 @@ class Learner:
                                                       0.0)) / count
     # Everything the updates treat as constants, computed once per batch.
     data = dict(batch, advantages=adv)
-    if algorithms.needs_proximal_logprobs(cfg):
+    if self.algorithm.needs_proximal_logprobs:
       data['prox_logp'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
           self.policy_model(state), batch, self.sampling)[0])
     if self.uses_ref_policy:

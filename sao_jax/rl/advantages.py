@@ -4,6 +4,9 @@ Notation follows `shared/docs/SAO.md`: a batch holds B trajectories of T tokens;
 `action_mask_BxT` is 1 on tokens the policy generated (actions) and 0 on prompt,
 environment-observation and padding tokens. Every function here is pure, jit-able
 and checks shapes at trace time.
+
+Skip-observation GAE is defined next to its Pallas kernel
+(`sao_jax.kernels.gae.reference`) and re-exported here.
 """
 
 from __future__ import annotations
@@ -14,68 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax import array_checks
+from sao_jax.kernels.gae import reference as gae_reference
 
 _F32 = jnp.float32
 
-
-def skip_observation_gae(rewards, values, action_mask, gamma, lam):
-  """Token-level GAE whose recursion runs over action tokens only (SAO §1.4).
-
-  For an action token t let n(t) be the next action token of the same row,
-  skipping every non-action token in between (environment observations, padding).
-  Then
-
-    delta_t = r_t + gamma * V[n(t)] - V[t]
-    A_t     = delta_t + gamma * lam * A[n(t)]
-
-  with `V[n(t)] = A[n(t)] = 0` when t is the last action token of its row. The last
-  token of action i thus bootstraps from the first token of action i+1, jumping the
-  observation between them: observations condition the values that follow them but
-  get no advantage, no value target and no loss.
-
-  Args:
-    rewards: float `[B, T]` per-token rewards r_t. Only action positions are read;
-      the trajectory builder puts the outcome reward on the last action token.
-    values: float `[B, T]` critic values V_t. Only action positions are read.
-    action_mask: bool or 0/1 `[B, T]`, m_t.
-    gamma: discount gamma (a Python float or a scalar array; SAO uses 1).
-    lam: GAE lambda, a scalar or float `[B]` (one per trajectory, e.g. from
-      `length_adaptive_lambda`).
-
-  Returns:
-    `(advantages, returns)`, both float32 `[B, T]`: A_t and the value target
-    `R_t = A_t + V_t`, zero wherever `action_mask == 0`.
-
-  References:
-    Schulman et al., "High-Dimensional Continuous Control Using Generalized
-    Advantage Estimation", 2015; SAO (arXiv 2607.07508) §3, skip-observation GAE.
-  """
-  mask_BxT, gamma, lam_B = check_gae_inputs(
-      'skip_observation_gae', rewards, values, action_mask, gamma, lam)
-  batch = mask_BxT.shape[0]
-  # Sanitise non-action positions first: rewards there are ignored by
-  # definition, and values at padding may be garbage (even NaN).
-  rewards_BxT = jnp.where(mask_BxT, jnp.asarray(rewards, _F32), 0.0)
-  values_BxT = jnp.where(mask_BxT, jnp.asarray(values, _F32), 0.0)
-
-  def step(carry, xs):
-    next_value_B, next_adv_B = carry  # V[n(t)], A[n(t)] for the rows.
-    reward_B, value_B, is_action_B = xs
-    delta_B = reward_B + gamma * next_value_B - value_B
-    adv_B = delta_B + gamma * lam_B * next_adv_B
-    adv_B = jnp.where(is_action_B, adv_B, 0.0)
-    # A non-action token is transparent: the carry passes through untouched,
-    # which is what links action i's last token to action i+1's first.
-    carry = (jnp.where(is_action_B, value_B, next_value_B),
-             jnp.where(is_action_B, adv_B, next_adv_B))
-    return carry, adv_B
-
-  init = (jnp.zeros((batch,), _F32), jnp.zeros((batch,), _F32))
-  _, adv_TxB = jax.lax.scan(
-      step, init, (rewards_BxT.T, values_BxT.T, mask_BxT.T), reverse=True)
-  adv_BxT = adv_TxB.T
-  returns_BxT = jnp.where(mask_BxT, adv_BxT + values_BxT, 0.0)
-  return adv_BxT, returns_BxT
+# Defined next to its Pallas kernel; re-exported as the definition. To run GAE
+# through the configured kernel (Pallas on TPU), call
+# `sao_jax.kernels.gae.api.skip_observation_gae`.
+skip_observation_gae = gae_reference.skip_observation_gae
+check_gae_inputs = gae_reference.check_gae_inputs
 
 
 def response_mask(input_mask, action_mask):
@@ -99,23 +49,6 @@ def response_mask(input_mask, action_mask):
   actions_BxT = jnp.asarray(action_mask).astype(jnp.int32)
   started_BxT = jnp.cumsum(actions_BxT, axis=1) > 0
   return jnp.asarray(input_mask).astype(bool) & started_BxT
-
-
-def check_gae_inputs(where, rewards, values, action_mask, gamma, lam):
-  """Validates GAE arguments (shared by the reference and the kernels).
-
-  Returns:
-    `(mask_BxT bool, gamma float32 scalar, lam_B float32 [B])`.
-  """
-  array_checks.require_rank(where, 'rewards', rewards, '[B, T]')
-  batch, length = jnp.shape(rewards)
-  array_checks.require_shape(where, 'values', values, (batch, length), '[B, T]')
-  array_checks.require_shape(where, 'action_mask', action_mask, (batch, length),
-                             '[B, T]')
-  array_checks.require_float(where, 'rewards', rewards)
-  array_checks.require_float(where, 'values', values)
-  return (jnp.asarray(action_mask).astype(bool), _scalar(where, 'gamma', gamma),
-          _per_row(where, 'lam', lam, batch))
 
 
 def length_adaptive_lambda(num_action_tokens, alpha):
@@ -303,18 +236,3 @@ def normalize_advantages(advantages, action_mask, eps=1e-6):
   mean = jnp.sum(adv_BxT) / count
   var = jnp.sum(jnp.where(mask_BxT, (adv_BxT - mean) ** 2, 0.0)) / count
   return jnp.where(mask_BxT, (adv_BxT - mean) / (jnp.sqrt(var) + eps), 0.0)
-
-
-def _scalar(where, name, x):
-  if jnp.ndim(x) != 0:
-    raise ValueError(f'{where}: {name} must be a scalar, got shape'
-                     f' {tuple(jnp.shape(x))}')
-  return jnp.asarray(x, _F32)
-
-
-def _per_row(where, name, x, batch):
-  """A scalar or `[B]` argument as float32 `[B]`."""
-  if jnp.ndim(x) == 0:
-    return jnp.full((batch,), x, _F32)
-  array_checks.require_shape(where, name, x, (batch,), 'a scalar or [B]')
-  return jnp.asarray(x, _F32)

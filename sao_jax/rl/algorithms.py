@@ -1,4 +1,19 @@
-"""What the learner differentiates: log-probs, values, advantages, losses.
+"""The algorithms: their parts registered by name, and what the learner calls.
+
+An algorithm (`config.algorithm`, SAO.md §3) is an advantage estimator and a
+policy loss, each chosen by name from a registry:
+
+  ESTIMATORS     `advantage.estimator` -> `Estimator` (A_t, whether it needs
+                 the critic's values, the state it carries between batches)
+  POLICY_LOSSES  `policy_loss.name` -> `PolicyLoss` (DIS, PPO)
+  OLD_POLICIES   `policy_loss.old_logprobs` -> `OldPolicy` (PPO's pi_old)
+  ALGORITHMS     `algorithm` -> `Spec` (the estimator and loss it is made of)
+
+`config_lib.validate` checks a config against these keys, and the learner asks
+once, `algorithm = algorithms.resolve(config)`, for the parts and flags it
+needs; it branches on no name. A new estimator is one `Estimator` in
+`ESTIMATORS` (and an entry in `ALGORITHMS` with a preset in
+`configs/default.py` to name it); `tests/test_algorithms.py` adds one.
 
 Alignment convention. Token t of a trajectory is predicted from the model's
 output at position t-1, so per-token quantities are shifted by one:
@@ -6,16 +21,20 @@ output at position t-1, so per-token quantities are shifted by one:
 critic's value of the state before token t (its output at t-1). Position 0 is
 never an action (it is the prompt's first token) and gets 0.
 
-All functions are pure and jit-able; the algorithm's parts are chosen by name
-from the config (SAO.md §3), not by branches spread through the learner.
+All functions are pure and jit-able.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from sao_jax.kernels import partitioned
+from sao_jax.kernels.dis_loss import api as dis_loss_api
+from sao_jax.kernels.gae import api as gae_api
 from sao_jax.models import sampling
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
@@ -86,66 +105,235 @@ def gae(config, batch, values_BxT, lam, mesh=None):
   action mask that is skip-observation GAE, with the response mask naive GAE.
   `mesh`: the learner's mesh, over whose batch shards a Pallas kernel runs.
   """
-  return partitioned.skip_observation_gae(
+  return gae_api.skip_observation_gae(
       batch['rewards'], values_BxT, gae_mask(config, batch),
-      config.advantage.gamma, lam, mesh=mesh,
-      implementation=config.kernels.implementation)
+      config.advantage.gamma, lam,
+      implementation=config.kernels.implementation, mesh=mesh)
 
 
-def trajectory_advantages(config, batch, running_mean_state=None):
-  """Critic-free advantages broadcast to action tokens (GRPO, running mean).
+# -- advantage estimators ------------------------------------------------------
 
-  Returns:
-    `(advantages_BxT, new_running_mean_state)`.
+
+def _no_state(config):
+  del config
+  return None
+
+
+class Estimator(NamedTuple):
+  """An advantage estimator A_t, registered by name in `ESTIMATORS`.
+
+  Attributes:
+    advantages: `fn(config, batch, values_BxT, state, mesh) -> (adv_BxT,
+      state)`: A_t on the action tokens (0 elsewhere). `values_BxT` is the
+      critic's V (None when `uses_critic` is False); `state` is what the
+      estimator carries from batch to batch (from `init_state`), returned
+      updated; `mesh` is the learner's mesh (for the kernels).
+    uses_critic: whether the learner trains a critic and passes its values.
+    init_state: `fn(config) -> pytree or None`, the carried state before the
+      first batch (kept in `LearnerState.running_mean`).
+    min_group_size: the smallest `config.group_size` it works with.
+    variant_of: the estimator whose algorithms accept this one in its place
+      (Dr.GRPO for GRPO), or None.
   """
-  estimator = config.advantage.estimator
-  reward_B = batch['reward']
-  if estimator in ('grpo', 'dr_grpo'):
-    group = config.group_size
-    adv_B = advantages.grpo_advantages(
-        reward_B.reshape(-1, group),
-        std_normalize=estimator == 'grpo').reshape(-1)
-  elif estimator == 'running_mean':
-    slots = (None if config.advantage.running_mean_scope == 'global'
-             else batch['slot_ids'])
-    adv_B, running_mean_state = advantages.running_mean_advantages(
-        running_mean_state, reward_B, slots)
-  else:
-    raise ValueError(f'{estimator!r} is not a critic-free estimator')
-  return (advantages.broadcast_to_actions(adv_B, batch['action_mask']),
-          running_mean_state)
+  advantages: Callable[..., tuple[jax.Array, Any]]
+  uses_critic: bool = False
+  init_state: Callable[[Any], Any] = _no_state
+  min_group_size: int = 1
+  variant_of: str | None = None
 
 
-# How the clipped (PPO) losses get their old policy, by
-# `policy_loss.old_logprobs`: name -> (needs the recomputed proximal
-# log-probs, function(prox_logp_BxT, batch, config) -> (old_logp_BxT,
-# token_weights_BxT or None)). DIS ignores it: its ratio is always against mu.
+def _gae_advantages(config, batch, values_BxT, state, mesh):
+  """SAO's skip-observation GAE with the policy's lambda (SAO §1.4)."""
+  adv_BxT, _ = gae(config, batch, values_BxT, policy_lambda(config, batch),
+                   mesh)
+  return adv_BxT, state
+
+
+def _group_advantages(config, batch, values_BxT, state, mesh, *,
+                      std_normalize):
+  """GRPO's (Dr.GRPO's) group-relative advantage on every action token."""
+  del values_BxT, mesh
+  adv_B = advantages.grpo_advantages(
+      batch['reward'].reshape(-1, config.group_size),
+      std_normalize=std_normalize).reshape(-1)
+  return advantages.broadcast_to_actions(adv_B, batch['action_mask']), state
+
+
+def _running_mean_init(config):
+  adv = config.advantage
+  per_question = adv.running_mean_scope == 'prompt'
+  return advantages.running_mean_init(
+      adv.running_mean_slots if per_question else 1,
+      adv.running_mean_window if per_question else 1,
+      adv.running_mean_global_window)
+
+
+def _running_mean_advantages(config, batch, values_BxT, state, mesh):
+  """Reward minus the question's (or global) running mean (SAO §3)."""
+  del values_BxT, mesh
+  slots = (None if config.advantage.running_mean_scope == 'global'
+           else batch['slot_ids'])
+  adv_B, state = advantages.running_mean_advantages(state, batch['reward'],
+                                                    slots)
+  return advantages.broadcast_to_actions(adv_B, batch['action_mask']), state
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    'skip_observation_gae': Estimator(_gae_advantages, uses_critic=True),
+    'grpo': Estimator(functools.partial(_group_advantages, std_normalize=True),
+                      min_group_size=2),
+    'dr_grpo': Estimator(
+        functools.partial(_group_advantages, std_normalize=False),
+        min_group_size=2, variant_of='grpo'),
+    'running_mean': Estimator(_running_mean_advantages,
+                              init_state=_running_mean_init),
+}
+
+
+# -- policy losses -------------------------------------------------------------
+
+
+class OldPolicy(NamedTuple):
+  """Where a clipped loss gets its old policy pi_old (`OLD_POLICIES`).
+
+  Attributes:
+    needs_proximal_logprobs: whether it reads the log-probs the learner
+      recomputes under the weights at the start of the batch.
+    select: `fn(prox_logp_BxT, batch, policy_loss_config) -> (old_logp_BxT,
+      token_weights_BxT or None)`.
+  """
+  needs_proximal_logprobs: bool
+  select: Callable[..., tuple[jax.Array, jax.Array | None]]
+
+
+# By `policy_loss.old_logprobs`. DIS ignores it: its ratio is always against mu.
 #   recompute: the weights at the start of the batch (PPO, verl and OpenRLHF's
 #     default); off-policy lag between the engine and the learner is ignored.
 #   behavior: the engine's own log-probs mu (verl's rollout-correction
 #     "bypass" mode): the clip bounds the whole drift from the sampler.
 #   decoupled: AReaL's decoupled PPO: clip against the proximal policy, each
 #     token weighted by min(pi_prox / mu, C) (`behavior_weight_cap`).
-OLD_POLICIES = {
-    'recompute': (True, lambda prox, batch, cfg: (prox, None)),
-    'behavior': (False, lambda prox, batch, cfg: (batch['behavior_logprobs'],
-                                                  None)),
-    'decoupled': (True, lambda prox, batch, cfg: (
+OLD_POLICIES: dict[str, OldPolicy] = {
+    'recompute': OldPolicy(True, lambda prox, batch, cfg: (prox, None)),
+    'behavior': OldPolicy(False, lambda prox, batch, cfg: (
+        batch['behavior_logprobs'], None)),
+    'decoupled': OldPolicy(True, lambda prox, batch, cfg: (
         prox, losses.truncated_behavior_weights(
             prox, batch['behavior_logprobs'], batch['action_mask'],
             cfg.behavior_weight_cap))),
 }
 
 
-def needs_proximal_logprobs(config) -> bool:
-  """Whether the policy loss reads log-probs recomputed before the updates."""
+class PolicyLoss(NamedTuple):
+  """A policy loss, registered by name in `POLICY_LOSSES`.
+
+  Attributes:
+    loss: `fn(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh) ->
+      (loss, metrics)`, before the optional KL / entropy terms.
+    uses_old_policy: whether it clips against `OLD_POLICIES[
+      policy_loss.old_logprobs]` (and so may need proximal log-probs).
+  """
+  loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+  uses_old_policy: bool = False
+
+
+def _dis_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
+  """SAO's DIS loss (SAO §1.2) through the configured kernel."""
+  del prox_logp_BxT  # the ratio is against the engine's own mu
   cfg = config.policy_loss
-  return cfg.name == 'ppo' and OLD_POLICIES[cfg.old_logprobs][0]
+  return dis_loss_api.dis_policy_loss(
+      logp_BxT, batch['behavior_logprobs'], adv_BxT, batch['action_mask'],
+      cfg.eps_low, cfg.eps_high, cfg.aggregation,
+      implementation=config.kernels.implementation, mesh=mesh)
+
+
+def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
+  """PPO's clipped loss against the configured old policy."""
+  del mesh  # plain jnp: XLA partitions it
+  cfg = config.policy_loss
+  mask = batch['action_mask']
+  old_BxT, weights_BxT = OLD_POLICIES[cfg.old_logprobs].select(
+      prox_logp_BxT, batch, cfg)
+  loss, metrics = losses.ppo_policy_loss(
+      logp_BxT, old_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
+      dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
+      token_weights=weights_BxT)
+  if weights_BxT is not None:
+    count = jnp.maximum(jnp.sum(mask), 1)
+    metrics['behavior_weight_mean'] = jnp.sum(weights_BxT) / count
+    metrics['behavior_weight_capped_frac'] = jnp.sum(
+        (weights_BxT >= cfg.behavior_weight_cap) & (mask > 0)) / count
+  return loss, metrics
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    'dis': PolicyLoss(_dis_loss),
+    'ppo': PolicyLoss(_ppo_loss, uses_old_policy=True),
+}
+
+
+# -- algorithms ----------------------------------------------------------------
+
+
+class Spec(NamedTuple):
+  """What an algorithm is made of: names in `ESTIMATORS` and `POLICY_LOSSES`.
+
+  `configs/default.py` applies each algorithm's preset (these names among
+  its settings); `config_lib.validate` checks a config agrees with its spec.
+  """
+  estimator: str
+  loss: str
+
+  @property
+  def critic(self) -> bool:
+    """Whether the algorithm trains a critic (its estimator reads values)."""
+    return ESTIMATORS[self.estimator].uses_critic
+
+
+# SAO.md §3: SAO and the paper's baselines.
+ALGORITHMS: dict[str, Spec] = {
+    'sao': Spec('skip_observation_gae', 'dis'),
+    'grpo': Spec('grpo', 'ppo'),
+    'grpo_dis': Spec('grpo', 'dis'),
+    'vapo': Spec('skip_observation_gae', 'ppo'),
+    'running_mean': Spec('running_mean', 'dis'),
+    'ppo': Spec('skip_observation_gae', 'ppo'),
+}
+
+
+class Algorithm(NamedTuple):
+  """One config's algorithm, looked up once (`resolve`).
+
+  Attributes:
+    estimator: the `Estimator` of `advantage.estimator`.
+    policy_loss: the `PolicyLoss` of `policy_loss.name`.
+    uses_critic: whether the learner trains a critic.
+    needs_proximal_logprobs: whether the policy loss reads log-probs
+      recomputed under the weights at the start of the batch.
+  """
+  estimator: Estimator
+  policy_loss: PolicyLoss
+  uses_critic: bool
+  needs_proximal_logprobs: bool
+
+
+def resolve(config) -> Algorithm:
+  """The parts of `config`'s algorithm, from the registries by name."""
+  estimator = ESTIMATORS[config.advantage.estimator]
+  loss = POLICY_LOSSES[config.policy_loss.name]
+  return Algorithm(
+      estimator=estimator, policy_loss=loss,
+      uses_critic=estimator.uses_critic,
+      needs_proximal_logprobs=loss.uses_old_policy and OLD_POLICIES[
+          config.policy_loss.old_logprobs].needs_proximal_logprobs)
+
+
+# -- the losses of one (micro-)batch -------------------------------------------
 
 
 def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
                 entropy_BxT=None, ref_logp_BxT=None, mesh=None):
-  """The configured policy loss (DIS or PPO) plus optional KL / entropy terms.
+  """The configured policy loss (`POLICY_LOSSES`) plus KL / entropy terms.
 
   Args:
     config: the sao_jax config.
@@ -163,23 +351,8 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
   """
   cfg = config.policy_loss
   mask = batch['action_mask']
-  if cfg.name == 'dis':
-    loss, metrics = partitioned.dis_policy_loss(
-        logp_BxT, batch['behavior_logprobs'], adv_BxT, mask, cfg.eps_low,
-        cfg.eps_high, cfg.aggregation, mesh=mesh,
-        implementation=config.kernels.implementation)
-  else:
-    old_BxT, weights_BxT = OLD_POLICIES[cfg.old_logprobs][1](
-        prox_logp_BxT, batch, cfg)
-    loss, metrics = losses.ppo_policy_loss(
-        logp_BxT, old_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
-        dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
-        token_weights=weights_BxT)
-    if weights_BxT is not None:
-      count = jnp.maximum(jnp.sum(mask), 1)
-      metrics['behavior_weight_mean'] = jnp.sum(weights_BxT) / count
-      metrics['behavior_weight_capped_frac'] = jnp.sum(
-          (weights_BxT >= cfg.behavior_weight_cap) & (mask > 0)) / count
+  loss, metrics = POLICY_LOSSES[cfg.name].loss(config, logp_BxT, batch,
+                                               adv_BxT, prox_logp_BxT, mesh)
   if cfg.behavior_kl_coef:
     # k3 estimate of KL(mu || pi) on the sampled tokens, differentiable in pi:
     # a pull towards the rollout engine's policy, not the reference model.

@@ -1,8 +1,14 @@
-"""Policy and value losses: DIS (SAO), PPO clip, value regression, aggregation.
+"""Policy and value losses: DIS (SAO), PPO clip, value regression, KL terms.
 
 All token losses take `[B, T]` arrays and a 0/1 `mask` (1 on the action tokens
 that carry loss). Positions with `mask == 0` are sanitised before any arithmetic,
 so garbage (even NaN) at padding never reaches the loss or its gradient.
+
+The DIS loss is defined next to its Pallas kernel
+(`sao_jax.kernels.dis_loss.reference`) and aggregation in `sao_jax.rl.tokens`;
+both are re-exported here, so `losses.dis_policy_loss` is the definition.
+To run DIS through the configured kernel (Pallas on TPU), call
+`sao_jax.kernels.dis_loss.api.dis_policy_loss` instead.
 """
 
 from __future__ import annotations
@@ -10,103 +16,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sao_jax import array_checks
+from sao_jax.kernels.dis_loss import reference as dis_reference
+from sao_jax.rl import tokens
 
 _F32 = jnp.float32
 
-# "token_mean": sum over every masked-in token of the batch / number of them
-#   (each token weighs the same; the SAO default).
-# "seq_mean_token_mean": mean over trajectories of each one's token mean (each
-#   trajectory weighs the same, whatever its length).
-AGGREGATIONS = ('token_mean', 'seq_mean_token_mean')
-
-
-def aggregate(loss, mask, mode='token_mean'):
-  """Reduces a per-token loss `[B, T]` to a scalar over the masked-in tokens.
-
-  Args:
-    loss: float `[B, T]` per-token loss.
-    mask: bool or 0/1 `[B, T]`.
-    mode: one of `AGGREGATIONS`. Rows without a masked-in token are left out of
-      the sequence mean; an all-empty batch gives 0.
-
-  Returns:
-    float32 scalar.
-  """
-  where = 'aggregate'
-  array_checks.require_rank(where, 'loss', loss, '[B, T]')
-  array_checks.require_shape(where, 'mask', mask, jnp.shape(loss), '[B, T]')
-  mask_BxT = jnp.asarray(mask).astype(bool)
-  loss_BxT = jnp.where(mask_BxT, jnp.asarray(loss, _F32), 0.0)
-  if mode == 'token_mean':
-    return jnp.sum(loss_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
-  if mode == 'seq_mean_token_mean':
-    count_B = jnp.sum(mask_BxT, axis=1)
-    row_mean_B = jnp.sum(loss_BxT, axis=1) / jnp.maximum(count_B, 1)
-    return jnp.sum(row_mean_B) / jnp.maximum(jnp.sum(count_B > 0), 1)
-  raise ValueError(f'aggregate: unknown mode {mode!r}; expected one of'
-                   f' {AGGREGATIONS}')
-
-
-def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
-                    aggregation='token_mean'):
-  """Direct double-sided importance sampling loss (SAO §1.2, paper eq. 1-3).
-
-  The ratio is taken directly against the rollout engine's own logprob mu_t
-  (no recomputed old policy), and tokens outside the open band get no gradient
-  whatever the sign of their advantage:
-
-    ratio_t = exp(logp_t - mu_t)
-    keep_t  = (1 - eps_low < ratio_t) & (ratio_t < 1 + eps_high)
-    L       = -sum_t m_t * sg(ratio_t * keep_t) * A_t * logp_t / max(sum_t m_t, 1)
-
-  so `dL/dlogp_t = -m_t * keep_t * A_t * ratio_t / N`. With
-  `aggregation="seq_mean_token_mean"` the per-token terms are averaged per
-  trajectory first.
-
-  Args:
-    logp: float `[B, T]` log pi_theta(a_t | s_t) under the learner's parameters.
-    behavior_logp: float `[B, T]` mu_t, recorded by the rollout engine.
-    advantages: float `[B, T]` A_t.
-    mask: bool or 0/1 `[B, T]` m_t (action tokens).
-    eps_low: lower band width; the band starts at 1 - eps_low (paper: 0.3).
-    eps_high: upper band width; the band ends at 1 + eps_high (paper: 5.0).
-    aggregation: one of `AGGREGATIONS`.
-
-  Returns:
-    `(loss, metrics)`: the scalar loss and a dict of float32 scalars:
-    `num_tokens` (sum of m), `frac_below` / `frac_above` (fraction of masked-in
-    tokens with ratio <= 1 - eps_low / >= 1 + eps_high), `ratio_mean`,
-    `ratio_min`, `ratio_max`, and `kl_k1`, `kl_k3`: estimates of KL(mu || pi)
-    from the tokens sampled by mu (k1 = -log r, k3 = r - 1 - log r).
-
-  References:
-    SAO, arXiv 2607.07508, §3 "direct double-sided importance sampling";
-    Schulman, "Approximating KL divergence" (k1, k3), 2020.
-  """
-  where = 'dis_policy_loss'
-  mask_BxT, (logp_BxT, mu_BxT, adv_BxT) = _token_inputs(
-      where, mask, logp=logp, behavior_logp=behavior_logp,
-      advantages=advantages)
-  # mu_t is the rollout engine's record and A_t a target: constants.
-  mu_BxT, adv_BxT = jax.lax.stop_gradient((mu_BxT, adv_BxT))
-  log_ratio_BxT = logp_BxT - mu_BxT
-  ratio_BxT = jnp.exp(log_ratio_BxT)
-  below_BxT = mask_BxT & (ratio_BxT <= 1.0 - eps_low)
-  above_BxT = mask_BxT & (ratio_BxT >= 1.0 + eps_high)
-  keep_BxT = mask_BxT & ~below_BxT & ~above_BxT
-  # `where`, not a product: an overflowed ratio (inf) times keep=0 would be NaN.
-  coef_BxT = jax.lax.stop_gradient(jnp.where(keep_BxT, ratio_BxT, 0.0))
-  # Dropped tokens leave the product entirely: a -inf logp (a token outside a
-  # truncated sampling distribution) must not turn 0 * -inf into NaN.
-  kept_logp_BxT = jnp.where(keep_BxT, logp_BxT, 0.0)
-  loss = aggregate(-coef_BxT * adv_BxT * kept_logp_BxT, mask_BxT, aggregation)
-
-  metrics = _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
-  count = jnp.maximum(metrics['num_tokens'], 1.0)
-  metrics['frac_below'] = jnp.sum(below_BxT) / count
-  metrics['frac_above'] = jnp.sum(above_BxT) / count
-  return loss, metrics
+AGGREGATIONS = tokens.AGGREGATIONS
+aggregate = tokens.aggregate
+check_token_inputs = tokens.check_token_inputs
+dis_policy_loss = dis_reference.dis_policy_loss
 
 
 def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
@@ -149,7 +67,7 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   where = 'ppo_policy_loss'
   if dual_clip is not None and dual_clip <= 1.0:
     raise ValueError(f'{where}: dual_clip must be > 1 or None, got {dual_clip}')
-  mask_BxT, (logp_BxT, old_BxT, adv_BxT) = _token_inputs(
+  mask_BxT, (logp_BxT, old_BxT, adv_BxT) = tokens.token_inputs(
       where, mask, logp=logp, old_logp=old_logp, advantages=advantages)
   old_BxT, adv_BxT = jax.lax.stop_gradient((old_BxT, adv_BxT))
   log_ratio_BxT = logp_BxT - old_BxT
@@ -165,13 +83,14 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   else:
     dual_active_BxT = jnp.zeros_like(mask_BxT)
   if token_weights is not None:
-    _, (weights_BxT,) = _token_inputs(where, mask, token_weights=token_weights)
+    _, (weights_BxT,) = tokens.token_inputs(where, mask,
+                                            token_weights=token_weights)
     # `where`: a zero weight must silence an overflowed term, not make NaN.
     loss_BxT = jnp.where(weights_BxT != 0,
                          jax.lax.stop_gradient(weights_BxT) * loss_BxT, 0.0)
-  loss = aggregate(loss_BxT, mask_BxT, aggregation)
+  loss = tokens.aggregate(loss_BxT, mask_BxT, aggregation)
 
-  metrics = _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
+  metrics = tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
   count = jnp.maximum(metrics['num_tokens'], 1.0)
   metrics['clip_frac'] = jnp.sum(clip_active_BxT) / count
   metrics['dual_clip_frac'] = jnp.sum(dual_active_BxT) / count
@@ -200,7 +119,7 @@ def truncated_behavior_weights(prox_logp, behavior_logp, mask, cap):
     "Your efficient RL framework secretly brings you off-policy RL training"
     (truncated importance sampling), 2025.
   """
-  mask_BxT, (prox_BxT, mu_BxT) = _token_inputs(
+  mask_BxT, (prox_BxT, mu_BxT) = tokens.token_inputs(
       'truncated_behavior_weights', mask, prox_logp=prox_logp,
       behavior_logp=behavior_logp)
   weights_BxT = jnp.minimum(jnp.exp(prox_BxT - mu_BxT), cap)
@@ -235,8 +154,8 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
     Schulman, "Approximating KL divergence", 2020.
   """
   where = 'reference_kl'
-  mask_BxT, (logp_BxT, ref_BxT) = _token_inputs(where, mask, logp=logp,
-                                                ref_logp=ref_logp)
+  mask_BxT, (logp_BxT, ref_BxT) = tokens.token_inputs(
+      where, mask, logp=logp, ref_logp=ref_logp)
   log_r_BxT = jax.lax.stop_gradient(ref_BxT) - logp_BxT
   if estimator == 'k1':
     kl_BxT = -log_r_BxT
@@ -245,7 +164,7 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
   else:
     raise ValueError(f'{where}: unknown estimator {estimator!r}; expected one'
                      f' of {KL_ESTIMATORS}')
-  return aggregate(kl_BxT, mask_BxT, aggregation)
+  return tokens.aggregate(kl_BxT, mask_BxT, aggregation)
 
 
 def value_loss(values, returns, mask, old_values=None, clip_eps=None,
@@ -274,7 +193,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
     if old_values is None:
       raise ValueError(f'{where}: clip_eps={clip_eps} needs old_values')
     inputs['old_values'] = old_values
-  mask_BxT, arrays = _token_inputs(where, mask, **inputs)
+  mask_BxT, arrays = tokens.token_inputs(where, mask, **inputs)
   values_BxT = arrays[0]
   returns_BxT = jax.lax.stop_gradient(arrays[1])
   sq_err_BxT = (values_BxT - returns_BxT) ** 2
@@ -286,7 +205,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
     sq_err_BxT = jnp.maximum(sq_err_BxT, sq_clip_BxT)
   else:
     clip_active_BxT = jnp.zeros_like(mask_BxT)
-  loss = aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation)
+  loss = tokens.aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation)
 
   num_tokens = jnp.sum(mask_BxT).astype(_F32)
   count = jnp.maximum(num_tokens, 1.0)
@@ -317,7 +236,7 @@ def explained_variance(values, returns, mask):
   Returns:
     float32 scalar.
   """
-  mask_BxT, (values_BxT, returns_BxT) = _token_inputs(
+  mask_BxT, (values_BxT, returns_BxT) = tokens.token_inputs(
       'explained_variance', mask, values=values, returns=returns)
   var_returns = _masked_variance(returns_BxT, mask_BxT)
   ev = 1.0 - _masked_variance(returns_BxT - values_BxT, mask_BxT) / var_returns
@@ -331,7 +250,7 @@ def r_squared(values, returns, mask):
   a critic that has not yet learned the mean return scores below 0 here, and
   the two agree once it is unbiased. NaN when the returns have no variance.
   """
-  mask_BxT, (values_BxT, returns_BxT) = _token_inputs(
+  mask_BxT, (values_BxT, returns_BxT) = tokens.token_inputs(
       'r_squared', mask, values=values, returns=returns)
   var_returns = _masked_variance(returns_BxT, mask_BxT)
   # The inputs are 0 off the mask, so the plain sum is the masked one.
@@ -345,46 +264,3 @@ def _masked_variance(x_BxT, mask_BxT):
   count = jnp.maximum(jnp.sum(mask_BxT), 1)
   mean = jnp.sum(x_BxT) / count
   return jnp.sum(jnp.where(mask_BxT, (x_BxT - mean) ** 2, 0.0)) / count
-
-
-def check_token_inputs(where, mask, **arrays):
-  """Checks `[B, T]` float arrays against the mask (shared with the kernels).
-
-  Returns:
-    `(mask_BxT bool, arrays)`, the arrays cast to their common float dtype.
-  """
-  array_checks.require_rank(where, 'mask', mask, '[B, T]')
-  shape = tuple(jnp.shape(mask))
-  for name, x in arrays.items():
-    array_checks.require_shape(where, name, x, shape, '[B, T] (the mask shape)')
-    array_checks.require_float(where, name, x)
-  dtype = jnp.result_type(*arrays.values())
-  return (jnp.asarray(mask).astype(bool),
-          tuple(jnp.asarray(x, dtype) for x in arrays.values()))
-
-
-def _token_inputs(where, mask, **arrays):
-  """Checked `[B, T]` arrays, sanitised (0 off the mask) and in float32."""
-  mask_BxT, checked = check_token_inputs(where, mask, **arrays)
-  return mask_BxT, tuple(
-      jnp.where(mask_BxT, jnp.asarray(x, _F32), 0.0) for x in checked)
-
-
-def _ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT):
-  """Masked statistics of the importance ratio shared by DIS and PPO."""
-  num_tokens = jnp.sum(mask_BxT).astype(_F32)
-  count = jnp.maximum(num_tokens, 1.0)
-  log_ratio_BxT = jax.lax.stop_gradient(log_ratio_BxT)
-  ratio_BxT = jax.lax.stop_gradient(ratio_BxT)
-  k3_BxT = ratio_BxT - 1.0 - log_ratio_BxT
-  has_tokens = num_tokens > 0
-  return {
-      'num_tokens': num_tokens,
-      'ratio_mean': jnp.sum(jnp.where(mask_BxT, ratio_BxT, 0.0)) / count,
-      'ratio_min': jnp.where(
-          has_tokens, jnp.min(jnp.where(mask_BxT, ratio_BxT, jnp.inf)), 1.0),
-      'ratio_max': jnp.where(
-          has_tokens, jnp.max(jnp.where(mask_BxT, ratio_BxT, -jnp.inf)), 1.0),
-      'kl_k1': jnp.sum(jnp.where(mask_BxT, -log_ratio_BxT, 0.0)) / count,
-      'kl_k3': jnp.sum(jnp.where(mask_BxT, k3_BxT, 0.0)) / count,
-  }

@@ -1,4 +1,4 @@
-"""The DIS policy loss as a fused Pallas TPU kernel (definition: `sao_jax.rl.losses`).
+"""The DIS policy loss as a fused Pallas TPU kernel (definition: `reference`).
 
 Forward: one pass over logp, mu, A and the mask computes, per trajectory, the
 loss sum, token count, below/above-band counts, ratio sum/min/max and the k1/k3
@@ -196,7 +196,7 @@ def loss_weights(stats, aggregation: str):
 
 
 def metrics_from_stats(stats):
-  """The metrics of `sao_jax.rl.losses.dis_policy_loss` from per-row statistics."""
+  """The metrics of `reference.dis_policy_loss` from per-row statistics."""
   num_tokens = jnp.sum(stats[:, COUNT])
   count = jnp.maximum(num_tokens, 1.0)
   has_tokens = num_tokens > 0

@@ -1,4 +1,4 @@
-"""Skip-observation GAE as a Pallas TPU kernel (definition: `sao_jax.rl.advantages`).
+"""Skip-observation GAE as a Pallas TPU kernel (definition: `reference`).
 
 Layout. Inputs arrive as `[B, T]` (batch on sublanes, time on lanes). A
 recurrence along lanes would walk one lane at a time, so each block is

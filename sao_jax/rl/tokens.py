@@ -1,0 +1,93 @@
+"""Masked `[B, T]` token arrays: argument checks, sanitising, aggregation.
+
+The lowest layer of the RL math, shared by the losses (`sao_jax.rl.losses`)
+and the kernels' references and dispatchers (`sao_jax.kernels`): a token loss
+checks its arguments with `check_token_inputs` (or `token_inputs`, which also
+zeroes every position off the mask), reduces its per-token terms with
+`aggregate`, and reports importance-ratio statistics with `ratio_metrics`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax import array_checks
+
+_F32 = jnp.float32
+
+# "token_mean": sum over every masked-in token of the batch / number of them
+#   (each token weighs the same; the SAO default).
+# "seq_mean_token_mean": mean over trajectories of each one's token mean (each
+#   trajectory weighs the same, whatever its length).
+AGGREGATIONS = ('token_mean', 'seq_mean_token_mean')
+
+
+def aggregate(loss, mask, mode='token_mean'):
+  """Reduces a per-token loss `[B, T]` to a scalar over the masked-in tokens.
+
+  Args:
+    loss: float `[B, T]` per-token loss.
+    mask: bool or 0/1 `[B, T]`.
+    mode: one of `AGGREGATIONS`. Rows without a masked-in token are left out of
+      the sequence mean; an all-empty batch gives 0.
+
+  Returns:
+    float32 scalar.
+  """
+  where = 'aggregate'
+  array_checks.require_rank(where, 'loss', loss, '[B, T]')
+  array_checks.require_shape(where, 'mask', mask, jnp.shape(loss), '[B, T]')
+  mask_BxT = jnp.asarray(mask).astype(bool)
+  loss_BxT = jnp.where(mask_BxT, jnp.asarray(loss, _F32), 0.0)
+  if mode == 'token_mean':
+    return jnp.sum(loss_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
+  if mode == 'seq_mean_token_mean':
+    count_B = jnp.sum(mask_BxT, axis=1)
+    row_mean_B = jnp.sum(loss_BxT, axis=1) / jnp.maximum(count_B, 1)
+    return jnp.sum(row_mean_B) / jnp.maximum(jnp.sum(count_B > 0), 1)
+  raise ValueError(f'aggregate: unknown mode {mode!r}; expected one of'
+                   f' {AGGREGATIONS}')
+
+
+def check_token_inputs(where, mask, **arrays):
+  """Checks `[B, T]` float arrays against the mask (losses and kernels).
+
+  Returns:
+    `(mask_BxT bool, arrays)`, the arrays cast to their common float dtype.
+  """
+  array_checks.require_rank(where, 'mask', mask, '[B, T]')
+  shape = tuple(jnp.shape(mask))
+  for name, x in arrays.items():
+    array_checks.require_shape(where, name, x, shape, '[B, T] (the mask shape)')
+    array_checks.require_float(where, name, x)
+  dtype = jnp.result_type(*arrays.values())
+  return (jnp.asarray(mask).astype(bool),
+          tuple(jnp.asarray(x, dtype) for x in arrays.values()))
+
+
+def token_inputs(where, mask, **arrays):
+  """Checked `[B, T]` arrays, sanitised (0 off the mask) and in float32."""
+  mask_BxT, checked = check_token_inputs(where, mask, **arrays)
+  return mask_BxT, tuple(
+      jnp.where(mask_BxT, jnp.asarray(x, _F32), 0.0) for x in checked)
+
+
+def ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT):
+  """Masked statistics of the importance ratio shared by DIS and PPO."""
+  num_tokens = jnp.sum(mask_BxT).astype(_F32)
+  count = jnp.maximum(num_tokens, 1.0)
+  log_ratio_BxT = jax.lax.stop_gradient(log_ratio_BxT)
+  ratio_BxT = jax.lax.stop_gradient(ratio_BxT)
+  k3_BxT = ratio_BxT - 1.0 - log_ratio_BxT
+  has_tokens = num_tokens > 0
+  return {
+      'num_tokens': num_tokens,
+      'ratio_mean': jnp.sum(jnp.where(mask_BxT, ratio_BxT, 0.0)) / count,
+      'ratio_min': jnp.where(
+          has_tokens, jnp.min(jnp.where(mask_BxT, ratio_BxT, jnp.inf)), 1.0),
+      'ratio_max': jnp.where(
+          has_tokens, jnp.max(jnp.where(mask_BxT, ratio_BxT, -jnp.inf)), 1.0),
+      'kl_k1': jnp.sum(jnp.where(mask_BxT, -log_ratio_BxT, 0.0)) / count,
+      'kl_k3': jnp.sum(jnp.where(mask_BxT, k3_BxT, 0.0)) / count,
+  }
