@@ -16,15 +16,9 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = _REPO / 'sao_jax'
 _ARCHITECTURE = _REPO / 'docs' / 'architecture.md'
 
-# Imports that go up a layer today and are being removed by the rest of issue
-# 14 (the kernels' references hold the jnp definitions and rl/ re-exports
-# them). Each entry is (importer, imported); empty this list once they are gone.
-_PENDING = frozenset({
-    ('sao_jax.kernels.dis_loss.reference', 'sao_jax.rl.losses'),
-    ('sao_jax.kernels.dis_loss.api', 'sao_jax.rl.losses'),
-    ('sao_jax.kernels.gae.reference', 'sao_jax.rl.advantages'),
-    ('sao_jax.kernels.gae.api', 'sao_jax.rl.advantages'),
-})
+# Known imports that go up a layer, as (importer, imported), each to be
+# removed; empty now, kept so that a temporary exception is written down.
+_PENDING = frozenset()
 
 
 def _glob_regex(glob):
