@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-
 import test_learner  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from sao_jax import distributed  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax import learner as learner_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.learner import learner as learner_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.rollout import batching  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,13 +62,6 @@ METADATA = {
 }
 
 
-def assert_trees_equal(actual, expected):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    assert a.dtype == e.dtype
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
-
-
 def test_round_trip_of_learner_state_and_metadata(tmp_path):
   state = learner_state()
   with checkpointing.Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
@@ -79,7 +73,9 @@ def test_round_trip_of_learner_state_and_metadata(tmp_path):
     restored, metadata = ckpt.restore(abstract_state=abstract(state))
     assert ckpt.read_metadata(11) == METADATA
   assert metadata == METADATA
-  assert_trees_equal(restored, state)
+  # The dtypes separately: chex compares bfloat16 values as float32.
+  chex.assert_trees_all_equal_dtypes(restored, state)
+  chex.assert_trees_all_equal(restored, state)
   # The optax state keeps its types (ScaleByAdamState, EmptyState) and the
   # first Adam moment is the one update's 0.1 * grad = 0.05.
   assert type(restored['opt_state'][0]) is type(state['opt_state'][0])

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
+import chex
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,10 +39,5 @@ def run_processes(num_processes, out):
 def test_two_processes_agree_with_one(tmp_path):
   single = run_processes(1, tmp_path / 'single.json')
   double = run_processes(2, tmp_path / 'double.json')
-  for a, b in zip(single['losses'], double['losses']):
-    for key in a:
-      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
-  assert single['checksums'].keys() == double['checksums'].keys()
-  for key, value in single['checksums'].items():
-    np.testing.assert_allclose(double['checksums'][key], value, rtol=1e-5,
-                               err_msg=key)
+  # Both steps' losses and every parameter's checksum.
+  chex.assert_trees_all_close(double, single, rtol=1e-5)

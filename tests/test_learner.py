@@ -3,6 +3,7 @@ NaN-safe, every algorithm, both kernel implementations."""
 
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -108,11 +109,9 @@ def assert_same_parameters(one, many, parts=('policy', 'critic')):
   # atol: 1% of an Adam step (lr 1e-4), the most that f32 reduction-order
   # noise in a near-zero gradient element can move a parameter through Adam.
   for part in parts:
-    expected, actual = flat(getattr(one.state, part)), flat(
-        getattr(many.state, part))
-    for key, value in expected.items():
-      np.testing.assert_allclose(actual[key], value, rtol=1e-5, atol=1e-6,
-                                 err_msg=f'{part}{key}')
+    chex.assert_trees_all_close(
+        flat(getattr(many.state, part)), flat(getattr(one.state, part)),
+        rtol=1e-5, atol=1e-6, custom_message=part)
 
 
 @pytest.mark.slow
@@ -142,9 +141,8 @@ def test_microbatches_accumulate_to_the_full_batch(one_device):
   run(split, [0])
   # atol: 1% of an Adam step (lr 1e-4), the most that f32 summation-order
   # noise in a near-zero gradient can move a parameter through Adam.
-  for key, value in flat(full.state.policy).items():
-    np.testing.assert_allclose(flat(split.state.policy)[key], value,
-                               rtol=1e-5, atol=1e-6, err_msg=key)
+  chex.assert_trees_all_close(flat(split.state.policy),
+                              flat(full.state.policy), rtol=1e-5, atol=1e-6)
 
 
 def test_nan_reward_skips_the_update_and_is_counted(one_device):
@@ -154,10 +152,8 @@ def test_nan_reward_skips_the_update_and_is_counted(one_device):
   (metrics,) = run(learner, [0], nan_reward=True)
   assert metrics['policy/nonfinite_skips'] == 1
   assert metrics['critic/nonfinite_skips'] == 2  # K = 2 critic updates
-  for key, value in flat(learner.state.policy).items():
-    np.testing.assert_array_equal(value, before_policy[key])
-  for key, value in flat(learner.state.critic).items():
-    np.testing.assert_array_equal(value, before_critic[key])
+  chex.assert_trees_all_equal(flat(learner.state.policy), before_policy)
+  chex.assert_trees_all_equal(flat(learner.state.critic), before_critic)
   # The next, healthy batch trains normally.
   (metrics,) = run(learner, [1])
   assert metrics['policy/nonfinite_skips'] == 1
@@ -189,8 +185,7 @@ def test_frozen_attention_critic_keeps_attention_in_the_learner(one_device):
   assert any("'attn'" in k for k in frozen_before)
   assert not any("'attn'" in k for k in flat(learner.state.critic))
   run(learner, [0, 1])
-  for key, value in flat(learner.state.critic_frozen).items():
-    np.testing.assert_array_equal(value, frozen_before[key])
+  chex.assert_trees_all_equal(flat(learner.state.critic_frozen), frozen_before)
 
 
 def test_kernel_implementation_switch_gives_identical_results(one_device):
@@ -204,8 +199,7 @@ def test_kernel_implementation_switch_gives_identical_results(one_device):
   (m_xla, p_xla), (m_pallas, p_pallas) = results['xla'], results['pallas']
   np.testing.assert_allclose(m_pallas['policy/loss'], m_xla['policy/loss'],
                              rtol=1e-5)
-  for key, value in p_xla.items():
-    np.testing.assert_allclose(p_pallas[key], value, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(p_pallas, p_xla, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
@@ -255,8 +249,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   got = algorithms.gae(config, batch, values, lam)
   want = advantages.skip_observation_gae(batch['rewards'], values, actions,
                                          1.0, lam)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
   naive = make_config(**{'kernels.implementation': implementation,
                          'advantage.skip_observations': False})
@@ -266,8 +259,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   got = algorithms.gae(naive, batch, values, lam)
   want = advantages.skip_observation_gae(batch['rewards'], values, response,
                                          1.0, lam)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(got[0])[:, 9:12]).sum() > 0  # observations count
   # The critic regresses on the tokens GAE ran over.
   for cfg, mask in ((config, actions), (naive, response)):
@@ -326,12 +318,12 @@ def test_reference_kl_is_against_the_frozen_initial_policy():
       'policy_loss.ref_kl_coef': 0.1})
   learner = make_learner(config, jax.devices()[:1])
   initial = flat(learner.state.policy)
-  np.testing.assert_equal(flat(learner.state.ref_policy), initial)
+  chex.assert_trees_all_equal(flat(learner.state.ref_policy), initial)
   first, second = run(learner, [0, 1])
   # One step from the initial weights: pi = pi_ref, the penalty is 0.
   np.testing.assert_allclose(first['policy/ref_kl'], 0.0, atol=1e-7)
   assert second['policy/ref_kl'] > 0
-  np.testing.assert_equal(flat(learner.state.ref_policy), initial)
+  chex.assert_trees_all_equal(flat(learner.state.ref_policy), initial)
   assert make_learner(make_config('grpo', **{'mesh.data': 1}),
                       jax.devices()[:1]).state.ref_policy is None
 
@@ -347,5 +339,5 @@ def test_critic_optimizer_restarts_after_value_pretraining(one_device):
   learner.state = learner.reset_critic_optimizer(learner.state)
   # Moments and step counts as new (RL's warm-up starts at 0), the critic's
   # pretrained weights kept.
-  np.testing.assert_equal(flat(learner.state.critic_opt), fresh)
-  np.testing.assert_equal(flat(learner.state.critic), trained)
+  chex.assert_trees_all_equal(flat(learner.state.critic_opt), fresh)
+  chex.assert_trees_all_equal(flat(learner.state.critic), trained)

@@ -7,6 +7,7 @@ AdamW, all in numpy. Only the network is shared: its log-probs and their
 vector-Jacobian product come from the tiny model itself.
 """
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -130,10 +131,8 @@ def test_two_epochs_of_two_minibatches_match_numpy(algorithm, mode):
                              rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(metrics['policy/loss'], np.mean(want_losses),
                              rtol=1e-5, atol=1e-7)
-  got = jax.tree.leaves(learner.state.policy)
-  assert len(got) == len(want_params)
-  for g, w in zip(got, want_params):
-    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(jax.tree.leaves(learner.state.policy),
+                              want_params, rtol=1e-5, atol=1e-5)
   # The policy moved between updates: the clip has something to act on.
   if mode != 'dis':
     assert metrics['policy/ratio_max'] > metrics['policy/ratio_min']

@@ -8,6 +8,7 @@ blocks (the GAE carry and the DIS accumulators cross block boundaries).
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,9 +65,8 @@ def test_gae_kernel_scalar_lambda_and_nan_off_actions():
   got = kernels.skip_observation_gae(rewards, values, mask, 1.0, 0.9,
                                      implementation='pallas')
   want = advantages.skip_observation_gae(rewards, values, mask, 1.0, 0.9)
-  for g, w in zip(got, want):
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+  chex.assert_tree_all_finite(got)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def dis_inputs(seed, batch=10, length=300, dtype=jnp.float32):
@@ -190,5 +190,5 @@ def test_config_switches_implementation_with_identical_results():
         adv, logp, mask, config.advantage.gamma, 0.9,
         implementation=config.kernels.implementation)
     results[implementation] = (loss, grad, adv_gae)
-  for xla, pallas in zip(results['xla'], results['pallas']):
-    np.testing.assert_allclose(pallas, xla, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(results['pallas'], results['xla'], rtol=1e-5,
+                              atol=1e-6)

@@ -1,5 +1,6 @@
 """The critic: built from the policy, zero head, frozen attention."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,13 +42,11 @@ def test_critic_starts_from_the_policy_with_zero_values():
   policy = transformer.init_causal_lm(CFG, seed=1)
   value_model = critic.from_policy(policy)
   np.testing.assert_array_equal(value_model(TOKENS), np.zeros((2, 7)))
-  for name, value in flat(policy.decoder).items():
-    np.testing.assert_array_equal(flat(value_model.decoder)[name], value)
+  chex.assert_trees_all_equal(flat(value_model.decoder), flat(policy.decoder))
   # A copy, not a shared buffer: training the critic leaves the policy alone.
   before = flat(policy)
   train_steps(value_model, frozen_attention=False)
-  for name, value in flat(policy).items():
-    np.testing.assert_array_equal(value, before[name])
+  chex.assert_trees_all_equal(flat(policy), before)
 
 
 @pytest.mark.parametrize('frozen', [True, False])
