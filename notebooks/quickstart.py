@@ -185,9 +185,9 @@ print(f'{config.algorithm} on {config.model.source} / {config.task.name}:'
 import logging
 
 from sao_jax import evaluation
+from sao_jax import trainer
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import launch
-from sao_jax import trainer
 
 logging.getLogger().setLevel(logging.WARNING)
 jetstream_compat.quiet_orchestrator_logs()

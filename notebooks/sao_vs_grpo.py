@@ -184,9 +184,9 @@ print('devices:', jax.devices())
 import logging
 
 from sao_jax import evaluation
+from sao_jax import trainer
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import launch
-from sao_jax import trainer
 
 logging.getLogger().setLevel(logging.WARNING)
 jetstream_compat.quiet_orchestrator_logs()
