@@ -30,7 +30,7 @@ import time
 
 from sao_jax.models import tiny
 from sao_jax.rollout import client as client_lib
-from sao_jax.rollout import local_servers
+from sao_jax.rollout import launch
 from sao_jax.rollout import weight_sync
 import sao_jax.models
 
@@ -86,7 +86,7 @@ def main():
                for a in range(10) for b in range(10)]
   prompts = [tok.encode_chat([{'role': 'user', 'content': q}])
              for q in questions[:args.requests]]
-  (server,) = local_servers.start(
+  (server,) = launch.start_subprocesses(
       os.path.join(ROOT, 'configs', 'default.py'), count=1, secret=SECRET,
       log_dir=workdir, weights_root=workdir, overrides=(
           f'--config.model.source={source}',
@@ -114,7 +114,7 @@ def main():
       rpc_s.append(push.seconds)
       swap_s.append(status['last_swap_seconds'])
   finally:
-    local_servers.stop([server])
+    launch.stop([server])
   seq_tps = statistics.median(r[0] for r in sequential)
   bat_tps = statistics.median(r[0] for r in batched)
   result = {

@@ -49,7 +49,7 @@ import grpc
 from sao_jax import config_lib
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import jetstream_compat
-from sao_jax.rollout import local_servers
+from sao_jax.rollout import launch
 from sao_jax.rollout import weight_sync
 import sao_jax.models
 
@@ -233,15 +233,15 @@ def main():
   secret = secrets.token_hex(16)
   _, tok = sao_jax.models.from_pretrained(config.model.source)
   limits = (r.max_prefill_length - 1, r.max_target_length, tok.vocab_size)
-  (server,) = local_servers.start(config_path, count=1, secret=secret,
-                                  log_dir=workdir)
+  (server,) = launch.start_subprocesses(config_path, count=1, secret=secret,
+                                        log_dir=workdir)
   try:
     stats, elapsed, status = asyncio.run(stress(server, secret, args, limits,
                                                 tok.stop_ids))
     alive = server.alive()
     exit_code = None if alive else server.process.returncode
   finally:
-    local_servers.stop([server])
+    launch.stop([server])
   with open(server.log_path) as f:
     log = f.read()
   counts = stats.counts

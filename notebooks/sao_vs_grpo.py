@@ -170,9 +170,9 @@ print('devices:', jax.devices())
 # instead, on background threads: the same JetStream orchestrator, engine and
 # gRPC services (`sao_jax.rollout.server.RolloutServer`) on a free loopback
 # port, sharing the model's devices with the learner (one process can hold a
-# TPU; two cannot). `in_process.serve(config)` starts it and yields a copy of
-# the config whose `rollout.server_addresses` points the trainer at it, as it
-# would at a remote server.
+# TPU; two cannot). `launch.serve_in_process(config)` starts it and yields a
+# copy of the config whose `rollout.server_addresses` points the trainer at it,
+# as it would at a remote server.
 
 # %% [markdown]
 # ## Train both
@@ -184,9 +184,9 @@ print('devices:', jax.devices())
 import logging
 
 from sao_jax import evaluation
-from sao_jax.rollout import in_process
-from sao_jax.rollout import jetstream_compat
 from sao_jax import trainer
+from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import launch
 
 logging.getLogger().setLevel(logging.WARNING)
 jetstream_compat.quiet_orchestrator_logs()
@@ -194,7 +194,7 @@ jetstream_compat.quiet_orchestrator_logs()
 results = {}
 for algorithm, config in configs.items():
   print(f'--- {algorithm}')
-  with in_process.serve(config) as run_config:
+  with launch.serve_in_process(config) as run_config:
     results[algorithm] = trainer.run(run_config,
                                      os.path.join(WORKDIR, algorithm))
   result = results[algorithm]

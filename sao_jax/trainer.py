@@ -12,15 +12,10 @@ evaluation beside the first, the plot, and (optionally) a Hugging Face export.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
-import secrets
-import shutil
-import time
 from typing import Any
 
 import jax
@@ -40,13 +35,7 @@ from sao_jax.logs import progress as progress_lib
 from sao_jax.logs import train_metrics
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
-from sao_jax.rollout import batching
-from sao_jax.rollout import episodes
-from sao_jax.rollout import local_servers
-from sao_jax.rollout import queue as queue_lib
-from sao_jax.rollout import server_supervisor
-from sao_jax.rollout import weight_sync
-from sao_jax.rollout import workers
+from sao_jax.rollout import system as rollout_system
 
 _log = logging.getLogger(__name__)
 
@@ -59,212 +48,6 @@ class RunResult:
   after: evaluation.EvalResult | None
   plot_path: str | None
   stopped_early: bool
-
-
-class _Rollouts:
-  """Servers, queue and workers of this process, and how weights reach them.
-
-  Local servers are supervised (restarted when they die). Every server, local
-  or remote, starts out of rotation: the pool's revive hook
-  (`WeightPublisher.catch_up`) checks its sampling settings and loads the
-  current weights before it gets traffic, and does the same for any server
-  that died, hung or missed a push. The queue's rollout version is the
-  minimum version the live servers acknowledged.
-  """
-
-  def __init__(self, config, workdir, tok, env, ledger, vocab_size,
-               batch_size, version, restart, stop_flag):
-    r = config.rollout
-    self._config = config
-    self._stop_flag = stop_flag
-    self.weights_dir = os.path.join(workdir, 'weights')
-    os.makedirs(self.weights_dir, exist_ok=True)
-    self.secret = (weight_sync.read_secret(r.admin_secret_file or None)
-                   if r.server_addresses or r.admin_secret_file
-                   else secrets.token_hex(16))
-    self.supervisor = None
-    if r.server_addresses:
-      self.addresses = [a.strip() for a in r.server_addresses.split(',')
-                        if a.strip()]
-    else:
-      config_path = os.path.join(workdir, 'server_config.py')
-      config_lib.write_config_file(config, config_path)
-      servers = local_servers.start(
-          config_path, count=r.num_servers, secret=self.secret,
-          log_dir=os.path.join(workdir, 'server_logs'), restart=restart,
-          weights_root=self.weights_dir)
-      self.addresses = [s.address for s in servers]
-      self.server_log_dir = os.path.join(workdir, 'server_logs')
-      self.supervisor = server_supervisor.Supervisor(
-          servers, on_death=self._on_death,
-          max_backoff_s=r.max_restart_backoff_s)
-    self.publisher = weight_sync.WeightPublisher(
-        self.addresses, self.secret, push_timeout_s=r.push_timeout_s,
-        health_timeout_s=r.health_timeout_s,
-        sampling={k: r[k] for k in weight_sync.SAMPLING_KEYS})
-    self.queue = queue_lib.RolloutQueue(
-        batch_size, r.max_staleness, vocab_size, r.max_sequence_length,
-        group_size=config.group_size, capacity=r.queue_capacity or None,
-        logprob_tolerance=r.logprob_tolerance,
-        max_abs_reward=r.max_abs_reward,
-        required_info={'task_index': int})
-    self.queue.set_learner_version(version)
-    self.queue.set_rollout_version(version)
-    self._rollout_version = version
-    self.runner = workers.RolloutRunner(
-        addresses=self.addresses, env=env, next_task=ledger.next_task,
-        queue=self.queue, tok=tok,
-        limits=episodes.EpisodeLimits(
-            max_new_tokens=r.max_new_tokens,
-            max_sequence_length=r.max_sequence_length,
-            max_prompt_length=r.max_prefill_length - 1),
-        num_workers=r.num_workers, group_size=config.group_size,
-        group_in_one_request=r.group_in_one_request,
-        pool_options=dict(stop_ids=tok.stop_ids,
-                          max_in_flight_per_server=r.max_in_flight_per_server,
-                          deadline_s=r.request_deadline_s,
-                          max_retries=r.max_retries,
-                          max_prompt_length=r.max_prefill_length - 1,
-                          probe_interval_s=r.health_interval_s,
-                          health_timeout_s=r.health_timeout_s,
-                          before_revive=self.publisher.catch_up,
-                          start_dead=True))
-    self._last_live = time.monotonic()
-
-  def start(self, policy_state, version: int) -> None:
-    """Starts workers and supervision; servers join once they serve
-    `version` (written now: a resume's servers, or remote ones left at
-    another run's version, load it before they get traffic)."""
-    self.publisher.set_current(self._save(policy_state, version), version)
-    self.runner.start()
-    if self.supervisor is not None:
-      self.supervisor.start()
-    self._last_live = time.monotonic()
-
-  def _on_death(self, address: str) -> None:
-    """From the supervisor thread: take a dead server out of rotation now
-    (it was idle, or its restart could take traffic before its weights)."""
-    loop = self.runner.loop
-    if loop is not None and not loop.is_closed() and self.runner.pool:
-      asyncio.run_coroutine_threadsafe(
-          self.runner.pool.mark_unhealthy(address, 'process_exited'), loop)
-
-  def _save(self, policy_state, version: int) -> str:
-    path = os.path.join(self.weights_dir, f'v{version}')
-    # A resume, or an extended run, writes the version it starts at again.
-    weight_sync.save_policy(path, policy_state)
-    return path
-
-  def _wait(self, future: concurrent.futures.Future):
-    """Waits for `future` of the loop, in short polls: a stop request or no
-    live server ends the wait (the future is cancelled)."""
-    while True:
-      try:
-        return future.result(timeout=1.0)
-      except concurrent.futures.TimeoutError:
-        pass
-      try:
-        self._stop_flag.raise_if_requested()
-        self.check_servers()
-      except BaseException:
-        future.cancel()
-        raise
-
-  def push(self, policy_state, version: int) -> dict[str, float]:
-    """Writes the policy and makes the live servers serve it as `version`."""
-    start = time.perf_counter()
-    path = self._save(policy_state, version)
-    saved = time.perf_counter()
-
-    async def push_to_live():
-      pool = self.runner.pool
-      result = await self.publisher.push(path, version, pool.live_servers)
-      for address in result.failed:
-        await pool.mark_unhealthy(address, 'weight_push_failed')
-      return result
-
-    result = self._wait(asyncio.run_coroutine_threadsafe(
-        push_to_live(), self.runner.loop))
-    self._sync_rollout_version()
-    for old in os.listdir(self.weights_dir):
-      if old != f'v{version}':
-        shutil.rmtree(os.path.join(self.weights_dir, old), ignore_errors=True)
-    return {'time/weight_save_seconds': saved - start,
-            'time/weight_push_seconds': result.seconds,
-            'rollout/servers_updated': float(len(result.updated)),
-            'rollout/servers_failed_update': float(len(result.failed))}
-
-  def _sync_rollout_version(self) -> None:
-    """The queue's rollout version: the least the live servers serve."""
-    pool = self.runner.pool
-    if pool is None:
-      return
-    version = self.publisher.rollout_version(pool.live_servers)
-    if version is not None and version > self._rollout_version:
-      self._rollout_version = version
-      self.queue.set_rollout_version(version)
-
-  def check_servers(self) -> None:
-    """Raises when training cannot go on: a server samples differently
-    (`ConfigError`), or no server has been live for `no_server_grace_s`."""
-    if self.publisher.mismatch is not None:
-      raise config_lib.ConfigError(str(self.publisher.mismatch))
-    pool = self.runner.pool
-    now = time.monotonic()
-    if pool is None or pool.live_servers:
-      self._last_live = now
-      self._sync_rollout_version()
-      return
-    grace = self._config.rollout.no_server_grace_s
-    if now - self._last_live > grace:
-      where = (f'{self.supervisor.restarts} restarts so far, logs in'
-               f' {self.server_log_dir}' if self.supervisor is not None
-               else ', '.join(self.addresses))
-      raise TimeoutError(
-          f'no rollout server has been alive for {grace:.0f} s'
-          f' (config.rollout.no_server_grace_s; 0 of {len(self.addresses)}'
-          f' live: {where})')
-
-  def next_batch(self, timeout_s: float):
-    """A batch from the queue, waiting in short polls (see `_wait`)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-      try:
-        return self.queue.get_batch_blocking(
-            timeout=max(min(1.0, deadline - time.monotonic()), 0.0))
-      except TimeoutError as e:
-        if time.monotonic() >= deadline:
-          raise TimeoutError(
-              f'no batch within config.rollout.get_batch_timeout_s='
-              f'{timeout_s:.0f} s: {str(e).partition("(")[2].rstrip(")")};'
-              f' live servers: {len(self.runner.pool.live_servers)} of'
-              f' {len(self.addresses)}') from None
-      self._stop_flag.raise_if_requested()
-      self.check_servers()
-
-  def drain(self) -> None:
-    """Waits until nothing is in flight (synchronous mode), in short polls."""
-    while True:
-      try:
-        return self.queue.drain_blocking(timeout=1.0)
-      except TimeoutError:
-        pass
-      self._stop_flag.raise_if_requested()
-      self.check_servers()
-
-  def stats(self) -> dict[str, float]:
-    out = train_metrics.prefixed('rollout', self.runner.stats())
-    out.update({f'rollout/{k}': float(v)
-                for k, v in self.publisher.counters.items()})
-    out['rollout/rollout_version'] = float(self._rollout_version)
-    if self.supervisor is not None:
-      out.update(train_metrics.prefixed('rollout', self.supervisor.stats()))
-    return out
-
-  def stop(self):
-    self.runner.stop()
-    servers = (self.supervisor.stop() if self.supervisor is not None else [])
-    local_servers.stop(servers)
 
 
 def run(config, workdir: str) -> RunResult:
@@ -292,8 +75,7 @@ def _check_before_start(config, workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise config_lib.ConfigError(f'--workdir={workdir} is a file, not a'
                                  ' directory')
-  if config.rollout.server_addresses:
-    weight_sync.read_secret(config.rollout.admin_secret_file or None)
+  rollout_system.check_inputs(config)
 
 
 def _run(config, workdir: str, stop_flag) -> RunResult:
@@ -335,11 +117,11 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   progress = progress_lib.Progress(config.total_steps, initial=step,
                                    enabled=chief and config.log.progress)
   try:
-    rollouts = _Rollouts(config, workdir, tok, env, ledger,
-                         model.config.vocab_size, batch_size, step, restart,
-                         stop_flag)
+    rollouts = rollout_system.RolloutSystem(
+        config, workdir, tok, env, ledger, model.config.vocab_size,
+        batch_size, step, restart, stop_flag)
     if meta.get('queue'):
-      rollouts.queue.load_state_dict(meta['queue'])
+      rollouts.load_state_dict(meta['queue'])
     env.on_policy_step(step)
     rollouts.start(learner.state.policy, step)
     if config.eval.at_start and step == 0:
@@ -355,14 +137,11 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     while step < config.total_steps:
       try:
         with tracker.phase('wait'):
-          trajectories = rollouts.next_batch(
+          trajectories, batch = rollouts.next_batch(
               config.rollout.get_batch_timeout_s)
       except checkpointing.StopRequested:
         stopped = True
         break
-      batch = batching.assemble_batch(trajectories,
-                                      config.rollout.max_sequence_length,
-                                      tok.pad_id or 0)
       with tracker.phase('train'):
         slot_ids = slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)
         learner.state, device_metrics = learner.train_step(
@@ -371,7 +150,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       task_indices = sorted({t.info['task_index'] for t in trajectories})
       ledger.mark_done(task_indices)
       step += 1
-      rollouts.queue.set_learner_version(step)
+      rollouts.set_learner_version(step)
       env.on_policy_step(step)
       metrics = train_metrics.host_metrics(device_metrics)
       if step % config.rollout.sync_every == 0:
@@ -379,7 +158,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
           try:
             if config.rollout.max_staleness == 0:
               rollouts.drain()
-            metrics.update(rollouts.push(learner.state.policy, step))
+            metrics.update(rollouts.push_weights(learner.state.policy, step))
           except checkpointing.StopRequested:
             stopped = True  # the step is done: log and save it below
       metrics.update(train_metrics.batch_metrics(trajectories, step))
@@ -387,8 +166,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
                       'data/task_max': task_indices[-1],
                       'data/task_sum': sum(task_indices),
                       'data/frontier': ledger.state_dict()['stream']['cursor']})
-      metrics.update(train_metrics.prefixed('queue', rollouts.queue.stats()))
-      metrics.update(rollouts.stats())
+      for section, stats in rollouts.stats().items():
+        metrics.update(train_metrics.prefixed(section, stats))
       metrics.update(tracker.metrics())
       logger.write(step, metrics)
       logger.write_histogram(step, 'rollout/staleness',
@@ -439,7 +218,7 @@ def _metadata(config, ledger, slots, rollouts, before,
       'restart': restart,
       'ledger': ledger.state_dict(),
       'prompt_slots': slots.state_dict(),
-      'queue': rollouts.queue.state_dict(),
+      'queue': rollouts.state_dict(),
       'pretrained': True,
       'eval_before': (dataclasses.asdict(before) if before is not None
                       else None),
@@ -484,14 +263,13 @@ def _pretrain_critic(learner, rollouts, config, logger, slots, ledger):
   cfg = config.critic
   plateau = train_metrics.Plateau(cfg.pretrain_patience, cfg.pretrain_min_delta)
   for i in range(cfg.pretrain_steps):
-    trajectories = rollouts.next_batch(config.rollout.get_batch_timeout_s)
-    batch = batching.assemble_batch(trajectories,
-                                    config.rollout.max_sequence_length, 0)
+    trajectories, batch = rollouts.next_batch(
+        config.rollout.get_batch_timeout_s)
     learner.state, m = learner.critic_step(
         learner.state, learner.device_batch(
             batch, slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)))
     # The policy does not move: keep the queue's staleness clock at 0.
-    rollouts.queue.set_learner_version(0)
+    rollouts.set_learner_version(0)
     ledger.mark_done({t.info['task_index'] for t in trajectories})
     m = train_metrics.host_metrics(m)
     stop = plateau.update(m.get('critic/r_squared', float('nan')))

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from sao_jax.logs import metrics_log
-from sao_jax.rollout import local_servers
+from sao_jax.rollout import launch
 
 import processes  # tests/processes.py
 
@@ -203,7 +203,7 @@ def test_starved_learner_stops_on_sigterm_and_reports_dead_servers(
 @pytest.mark.slow
 def test_refuses_a_server_that_samples_differently(tmp_path, secret_file):
   config = os.path.join(ROOT, 'configs', 'tiny.py')
-  servers = local_servers.start(
+  servers = launch.start_subprocesses(
       config, count=1, secret=secret_file.read_text().strip(),
       log_dir=str(tmp_path / 'logs'),
       overrides=['--config.rollout.temperature=0.5'],
@@ -214,7 +214,7 @@ def test_refuses_a_server_that_samples_differently(tmp_path, secret_file):
                f'--config.rollout.admin_secret_file={secret_file}',
                '--config.log.progress=False')
   finally:
-    local_servers.stop(servers)
+    launch.stop(servers)
   assert proc.returncode != 0
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error:'), proc.stderr

@@ -1,9 +1,15 @@
 """Rollouts: JetStream serving the policy, async workers, the host-side queue.
 
-  environments/        tasks, tools, sandboxed code, rewards (all offline)
+The transport of tokens between the rollout servers and the learner; the
+tasks themselves live in `sao_jax.envs`. The trainer uses `system` only.
+
+  system.py            RolloutSystem: servers, workers, queue, weight pushes
+  launch.py            starting servers: subprocesses or in this process
+  server_supervisor.py restarting local server processes that died
   trajectory.py        the Trajectory record workers produce
   trajectory_checks.py validation of trajectories before they are queued
   jetstream_compat.py  importing JetStream 0.2.2 safely on current JAX
+  wire.py              how tokens, mu_t and versions travel per step
   engine.py            our model behind JetStream's Engine contract
   server.py            JetStream gRPC server + authenticated admin service
   weight_sync.py       policy checkpoints and weight pushes to servers
@@ -11,9 +17,6 @@
   episodes.py          the multi-turn agent loop (token-in/token-out)
   workers.py           rollout workers feeding the queue
   queue.py             admission control, backpressure, staleness filter
-  queue_state.py       the queue's counts and accounting
+  queue_books.py       the queue's counts and accounting
   batching.py          fixed [B, T] batches from trajectories
-  sandbox.py           running model-written code (library side)
-  sandbox_init.py      the per-run init of a sandbox (namespaces, limits)
-  sandbox_isolation.py what containment this machine supports
 """

@@ -12,7 +12,7 @@ trainer's: make it serve the current weights) says it may take traffic. Every
 outcome is counted.
 
 Requests are token-in/token-out (`token_content`): the client sends prompt ids
-and reads, per step, `[token, mu_t bits, version]` (see `engine`). It checks
+and reads, per step, `[token, mu_t bits, version]` (see `wire`). It checks
 prompt lengths itself because JetStream truncates over-long prompts silently.
 """
 
@@ -26,12 +26,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
-import numpy as np
+# The protobuf messages alone import no JAX (unlike the rest of JetStream,
+# which goes through `jetstream_compat`).
+from jetstream.core.proto import jetstream_pb2 as pb
 
-from sao_jax.rollout import engine as engine_lib
-from sao_jax.rollout import jetstream_compat
-
-pb = jetstream_compat.jetstream_pb2
+from sao_jax.rollout import wire
 _log = logging.getLogger(__name__)
 
 # Codes after which the same request may succeed on another server.
@@ -55,14 +54,6 @@ class Sample:
   versions: list[int]  # policy version per token
   finish_reason: str  # 'stop' (ended on a stop token) or 'length'
   server: str = ''
-
-
-def decode_step_ids(ids: Sequence[int]):
-  """Splits one streamed step `[token, bits, version] * k` into its parts."""
-  ids_Kx3 = np.asarray(ids, np.int32).reshape(-1, engine_lib.NUM_COLUMNS)
-  logprobs = ids_Kx3[:, engine_lib.LOGPROB_BITS].view(np.float32)
-  return (ids_Kx3[:, engine_lib.TOKEN].tolist(), logprobs.tolist(),
-          ids_Kx3[:, engine_lib.VERSION].tolist())
 
 
 class _Server:
@@ -358,7 +349,7 @@ class ServerPool:
         while len(per_sample) <= i:
           per_sample.append([])
         if sample.token_ids:
-          per_sample[i].append(decode_step_ids(sample.token_ids))
+          per_sample[i].append(wire.decode_step(sample.token_ids))
     results = []
     for steps in per_sample:
       tokens, logprobs, versions = [], [], []
@@ -366,7 +357,7 @@ class ServerPool:
         tokens += t
         logprobs += lp
         versions += v
-      if versions and versions[0] == engine_lib.PROMPT_TOO_LONG:
+      if versions and versions[0] == wire.PROMPT_TOO_LONG:
         self.counters['prompt_too_long'] += 1
         raise RequestFailed('prompt_too_long', 'the server refused it')
       stopped = bool(tokens) and tokens[-1] in self._stop_ids

@@ -5,7 +5,8 @@ Engine and streams each step's tokens to gRPC clients. SAO needs two things the
 protocol does not carry: the behaviour log-prob mu_t of every sampled token and
 the policy version that sampled it. Both ride as extra columns of
 `ResultTokens`, which the orchestrator streams like token ids for token-content
-requests: each step emits `[token, float32 bits of mu_t as int32, version]`.
+requests: each step emits `[token, float32 bits of mu_t as int32, version]`
+(the layout both sides import from `wire`).
 
 Sampling happens at the start of `generate`, from logits kept per slot in the
 decode state (prefill leaves the prompt's last logits there; each step then
@@ -47,6 +48,7 @@ from sao_jax.models import sampling
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import wire
 from sao_jax import sharding
 
 engine_api = jetstream_compat.engine_api
@@ -56,12 +58,6 @@ tokenizer_api = jetstream_compat.tokenizer_api
 # engine's tokenizer reports this sentinel as BOS and prefill strips it, so the
 # prompt reaches the model exactly as the client sent it.
 BOS_SENTINEL = -1
-# Columns of every streamed step.
-TOKEN, LOGPROB_BITS, VERSION = range(3)
-NUM_COLUMNS = 3
-# Version column value when a prompt did not fit max_prefill_length: JetStream
-# truncates silently, so the engine answers with one invalid marker token.
-PROMPT_TOO_LONG = -2
 PREFILL_BUCKETS = config_lib.PREFILL_BUCKETS
 
 
@@ -149,7 +145,7 @@ class DecodeState(NamedTuple):
   positions: jax.Array  # [N] int32: where the next token is written
   generated: jax.Array  # [N] int32: tokens emitted so far
   active: jax.Array  # [N] bool: the slot still samples
-  too_long: jax.Array  # [N] bool: report PROMPT_TOO_LONG once
+  too_long: jax.Array  # [N] bool: report wire.PROMPT_TOO_LONG once
   key: jax.Array  # PRNG key
 
 
@@ -268,9 +264,9 @@ class Engine(engine_api.Engine):
     rows = data.shape[0]
     return decode_state, engine_api.ResultTokens(
         data=data,
-        tokens_idx=(0, NUM_COLUMNS),
-        valid_idx=(NUM_COLUMNS, 2 * NUM_COLUMNS),
-        length_idx=(2 * NUM_COLUMNS, 2 * NUM_COLUMNS + 1),
+        tokens_idx=(0, wire.NUM_COLUMNS),
+        valid_idx=(wire.NUM_COLUMNS, 2 * wire.NUM_COLUMNS),
+        length_idx=(2 * wire.NUM_COLUMNS, 2 * wire.NUM_COLUMNS + 1),
         samples_per_slot=rows // self.config.max_concurrent_decodes)
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
@@ -384,13 +380,16 @@ def _generate(graphdef, params, stop_ids, cache_len, state, version,
       key=key)
   # A too-long prompt answers once with a marker step, then stops.
   marker_N = ds.too_long
-  token_col = jnp.where(marker_N, 0, tokens_N)
-  bits_col = jax.lax.bitcast_convert_type(
+  columns = [None] * wire.NUM_COLUMNS
+  columns[wire.TOKEN] = jnp.where(marker_N, 0, tokens_N)
+  columns[wire.LOGPROB_BITS] = jax.lax.bitcast_convert_type(
       jnp.where(marker_N, 0.0, logp_N).astype(jnp.float32), jnp.int32)
-  version_col = jnp.where(marker_N, PROMPT_TOO_LONG, ds.logits_version)
+  columns[wire.VERSION] = jnp.where(marker_N, wire.PROMPT_TOO_LONG,
+                                    ds.logits_version)
   valid = (emit_N | marker_N).astype(jnp.int32)
-  data = jnp.stack([token_col, bits_col, version_col, valid, valid, valid,
-                    new.generated + marker_N], axis=1)
+  # ResultTokens: the wire columns, a validity flag per column, the length.
+  data = jnp.stack(columns + [valid] * wire.NUM_COLUMNS
+                   + [new.generated + marker_N], axis=1)
   return new, data
 
 

@@ -2,7 +2,9 @@
 
 `google-jetstream` 0.2.2 is the last release (the project moved to vLLM
 tpu-inference). Used unchanged, it has faults this module neutralises; import
-JetStream modules only through here:
+JetStream modules only through here (except its protobuf messages,
+`jetstream.core.proto.jetstream_pb2`, which import no JAX and which the
+client imports directly so that it stays free of JAX):
 
   * its orchestrator calls the removed `jax.tree_map` when it frees a prefix
     after the first insert; the exception kills the thread, and JetStream's

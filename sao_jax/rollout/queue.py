@@ -1,73 +1,27 @@
 """The bounded host-side queue between rollout workers and the learner.
 
-Workers (asyncio, one event loop in its own thread) produce trajectories; the
-learner (JAX, the main thread) takes batches of exactly `batch_size`. The queue
-keeps the staleness bound of SAO.md §2,
+Workers (asyncio, in the queue's event loop thread) produce trajectories; the
+learner (the main thread) takes batches of exactly `batch_size`. The queue
+keeps SAO's staleness bound (learner version at consumption - oldest token
+version <= max_staleness) by admission control first, and drops what still
+arrives too stale last; it validates every trajectory, applies backpressure,
+and hands out GRPO groups only whole. docs/design/queue.md gives the admission
+rule, why it keeps the bound, and the accounting identity `stats()` satisfies.
 
-  staleness = learner version at consumption - oldest token version
-            <= max_staleness,
+Workers, in the loop:
 
-in two layers, and the order matters:
+  with await queue.admit(n, group_id=gid) as lease:   # waits for headroom
+    for traj in trajectories:
+      await lease.put(traj)                           # waits for room
 
-1. Admission control (first). A worker must `await queue.admit(n)` before it
-   starts n rollouts. Dropping finished work wastes it, and it biases training
-   towards short trajectories (long ones are the ones that go stale), so the
-   bound is kept by not *starting* work that could not be consumed in time.
-2. A staleness filter at consumption (last resort). Whatever still arrives too
-   stale (the learner jumped versions, the servers lagged behind what the queue
-   was told) is dropped, counted, and the mean lengths of kept and dropped
-   trajectories are reported so that a length bias is visible.
+The learner, from its own thread (see `RolloutQueue` for the protocol):
 
-Admission rule. The learner consumes B = `batch_size` trajectories per policy
-version, so the learner version can only advance by consuming. Every
-outstanding trajectory i (admitted and not yet consumed, rejected, cancelled or
-dropped) has a deadline d_i, the last learner version allowed to consume it:
-`rollout_version_at_admission + max_staleness` while it is in flight (its
-tokens can only be sampled by that version or a newer one) and
-`oldest_version + max_staleness` once it arrived. With v = the version the
-next batch will be trained at and N = the number of outstanding trajectories,
-n new rollouts may start iff
+  batch = queue.get_batch_blocking(timeout)
+  queue.set_learner_version(v + 1)
+  queue.set_rollout_version(v + 1)                    # once servers serve it
 
-  N + n <= (min(d_min, rollout_version + max_staleness) - v + 1) * B.
-
-This is the AReaL rule (a rollout started now would be consumed by the batch
-trained at `v + N // B`, which must be within the bound of the weights that
-start it) applied to every outstanding trajectory rather than only to the new
-one. The invariant `N <= (d_i - v + 1) * B` for all outstanding i holds after
-every admission, is preserved by consumption (N and (d_i - v + 1) * B both drop
-by B) and by rejections, cancels and drops (N only drops), and implies d_i >= v
-for everything consumed at v: no trajectory is consumed past its deadline
-whatever order they finish in. Testing the new rollout alone is not enough: a
-long rollout started early is overtaken by short ones started later, which
-advance the learner past its deadline while it is still generating. The price is
-that the learner may wait for such a straggler (bounded-staleness training).
-With max_staleness = 0 and up-to-date weights the rule admits exactly B per
-version: synchronous training is the same code. The argument needs the learner
-to advance at most one version per batch (it reports each step); weights
-pushed only every K steps leave the servers K - 1 versions behind, so the
-bound must be at least K - 1, or nothing is ever admissible again.
-
-GRPO groups (group_size G > 1) are admitted whole (`admit(n)` with n a multiple
-of G; all G members go through one lease) and released to the learner only
-whole; a group that loses a member (rejected, cancelled, or its lease resolved
-without completing it) is dropped and counted.
-
-Every admitted slot ends in exactly one of: consumed, rejected, cancelled,
-dropped stale, dropped with an incomplete group, still queued, still in flight
-(or lost on a restore from a checkpoint):
-
-  admitted == consumed + rejected + cancelled + dropped_stale
-              + dropped_incomplete_group + queued + in_flight + lost_on_restore
-
-Thread model: all state lives in the event loop thread. The learner-facing
-methods (`set_*`, `stats`, `close`, `*_blocking`, `state_dict`) may be called
-from any thread; they run their work in the loop and wait for it.
-
-Here is what waits: admission, backpressure, batches, and the bridge to the
-learner's thread. The books they wait on, and every change to them, are
-`queue_state.QueueState`, which `RolloutQueue` extends; `trajectory_checks`
-says why a trajectory is rejected, and `batching.assemble_batch` pads the
-batches the queue hands out into the learner's arrays.
+The books (counts, deadlines, queued items) are a `queue_books.Books` the
+queue owns; this module holds what waits and the bridge between threads.
 """
 
 from __future__ import annotations
@@ -80,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sao_jax.rollout import queue_state
+from sao_jax.rollout import queue_books
 from sao_jax.rollout import trajectory
 from sao_jax.rollout import trajectory_checks
 
@@ -149,7 +103,7 @@ class Lease:
     Returns:
       The number of slots cancelled.
     """
-    return self._queue._cancel(self, count)
+    return self._queue._books.cancel(self, count)
 
   def __enter__(self) -> Lease:
     return self
@@ -164,11 +118,11 @@ class Lease:
     self.cancel()
 
 
-class RolloutQueue(queue_state.QueueState):
+class RolloutQueue:
   """Admission control, validation, backpressure, staleness filter, batches.
 
-  See the module docstring for the admission rule and the accounting identity;
-  the books and their changes are inherited from `queue_state.QueueState`.
+  docs/design/queue.md gives the admission rule and the accounting identity;
+  the books and their changes are a `queue_books.Books` the queue owns.
 
   Learner protocol (one policy version per batch):
 
@@ -248,9 +202,16 @@ class RolloutQueue(queue_state.QueueState):
         if not kinds or not all(isinstance(k, type) for k in kinds):
           raise ValueError(f'RolloutQueue: required_info[{key!r}]={kind!r}'
                            ' must be a type or a tuple of types')
-    super().__init__(batch_size, max_staleness, vocab_size, max_length,
-                     group_size, capacity, logprob_tolerance, max_abs_reward,
-                     required_info)
+    self.vocab_size = int(vocab_size)
+    self.max_length = int(max_length)
+    self.logprob_tolerance = float(logprob_tolerance)
+    self.max_abs_reward = (None if max_abs_reward is None else
+                           float(max_abs_reward))
+    # A copy: the caller's mapping changing later must not change the gate.
+    self.required_info = (None if required_info is None else
+                          dict(required_info))
+    self._books = queue_books.Books(batch_size, max_staleness, group_size,
+                                    capacity, notify=self._notify)
     self._loop = loop
     # Futures of waiting coroutines; a dict keeps wake-up order deterministic.
     self._waiters: dict[asyncio.Future, None] = {}
@@ -275,27 +236,25 @@ class RolloutQueue(queue_state.QueueState):
       QueueClosed: the queue is or gets closed.
     """
     self._bind()
+    books = self._books
     if n < 1 or n % self.group_size or n > self.batch_size:
       raise ValueError(f'RolloutQueue.admit: n={n} must be a positive multiple'
                        f' of group_size={self.group_size} and at most'
                        f' batch_size={self.batch_size}')
     start = time.monotonic()
     try:
-      while self._headroom() < n:
+      while books.headroom() < n:
         self._raise_if_closed()
         await self._wait()
       self._raise_if_closed()
     finally:
-      self._counters['admission_wait_seconds'] += time.monotonic() - start
-    deadline = self._rollout_version + self.max_staleness
-    self._in_flight += n
-    self._counters['admitted'] += n
-    self._deadlines[deadline] += n
-    return Lease(self, n, deadline, group_id)
+      books.counters['admission_wait_seconds'] += time.monotonic() - start
+    return Lease(self, n, books.admit(n), group_id)
 
   async def _put(self, lease: Lease, traj: trajectory.Trajectory) -> bool:
     """Validates, waits for room, queues; see `Lease.put`."""
     self._bind()
+    books = self._books
     if lease._open < 1:
       raise RuntimeError('Lease.put: no open slot left (every slot was put or'
                          ' cancelled)')
@@ -309,35 +268,31 @@ class RolloutQueue(queue_state.QueueState):
     try:
       reason = trajectory_checks.rejection_reason(
           traj, vocab_size=self.vocab_size, max_length=self.max_length,
-          newest_version=max(self._rollout_version, self._learner_version),
+          newest_version=books.newest_version(),
           logprob_tolerance=self.logprob_tolerance,
           max_abs_reward=self.max_abs_reward,
           required_info=self.required_info)
-      group = queue_state.group_key(traj) if self.group_size > 1 else None
+      group = queue_books.group_key(traj) if self.group_size > 1 else None
       if reason is None and self.group_size > 1:
-        reason = self._group_reason(lease, group)
+        reason = books.group_reason(lease, group)
       if reason is not None:
         resolved = True
         lease._pending -= 1
-        self._reject(lease, traj, reason, group)
+        books.reject(lease, traj, reason, group)
         return False
       start = time.monotonic()
-      # A member that completes a queued group passes (partial groups must
-      # not deadlock a full queue); one of a failed group is dropped at once.
-      while (self.capacity is not None and self._queued >= self.capacity and
-             group not in self._partial and
-             self._finished_groups.get(group) != 'failed'):
+      while books.put_must_wait(group):
         self._raise_if_closed()
-        self._blocked_puts += 1
+        books.blocked_puts += 1
         try:
           await self._wait()
         finally:
-          self._blocked_puts -= 1
+          books.blocked_puts -= 1
       self._raise_if_closed()
-      self._counters['put_wait_seconds'] += time.monotonic() - start
+      books.counters['put_wait_seconds'] += time.monotonic() - start
       resolved = True
       lease._pending -= 1
-      return self._accept(lease, traj, group)
+      return books.accept(lease, traj, group)
     finally:
       if not resolved:
         lease._pending -= 1
@@ -355,7 +310,7 @@ class RolloutQueue(queue_state.QueueState):
     the learner is already training past. The next batch is taken to be
     trained at `version + batches taken since this call`.
     """
-    self._call(self._set_learner_version, int(version))
+    self._call(self._books.set_learner_version, int(version))
 
   def set_rollout_version(self, version: int) -> None:
     """The version every server now samples with (thread-safe).
@@ -363,7 +318,7 @@ class RolloutQueue(queue_state.QueueState):
     Call it once the swap completed on all servers, never before: admission
     takes rollouts started from now on to be at least this fresh.
     """
-    self._call(self._set_rollout_version, int(version))
+    self._call(self._books.set_rollout_version, int(version))
 
   async def get_batch(self, timeout: float | None = None
                       ) -> list[trajectory.Trajectory]:
@@ -381,24 +336,25 @@ class RolloutQueue(queue_state.QueueState):
       QueueClosed: the queue is or gets closed.
     """
     self._bind()
+    books = self._books
     start = time.monotonic()
     end = None if timeout is None else start + timeout
     try:
       while True:
         self._raise_if_closed()
-        version = self._next_version()
-        self._drop_stale(version)
-        if self._ready_count >= self.batch_size:
-          return self._take(version)
+        version = books.next_version()
+        books.drop_stale(version)
+        if books.ready_count >= self.batch_size:
+          return books.take(version)
         remaining = None if end is None else end - time.monotonic()
         if remaining is not None and remaining <= 0:
           raise TimeoutError(
               f'RolloutQueue.get_batch: no batch of {self.batch_size} within'
-              f' {timeout} s ({self._ready_count} ready, {self._queued}'
-              f' queued, {self._in_flight} in flight)')
+              f' {timeout} s ({books.ready_count} ready, {books.queued}'
+              f' queued, {books.in_flight} in flight)')
         await self._wait(remaining)
     finally:
-      self._counters['learner_wait_seconds'] += time.monotonic() - start
+      books.counters['learner_wait_seconds'] += time.monotonic() - start
 
   def get_batch_blocking(self, timeout: float | None = None
                          ) -> list[trajectory.Trajectory]:
@@ -421,12 +377,12 @@ class RolloutQueue(queue_state.QueueState):
     """
     self._bind()
     end = None if timeout is None else time.monotonic() + timeout
-    while self._in_flight:
+    while self._books.in_flight:
       self._raise_if_closed()
       remaining = None if end is None else end - time.monotonic()
       if remaining is not None and remaining <= 0:
-        raise TimeoutError(f'RolloutQueue.drain: {self._in_flight} rollouts'
-                           f' still in flight after {timeout} s')
+        raise TimeoutError(f'RolloutQueue.drain: {self._books.in_flight}'
+                           f' rollouts still in flight after {timeout} s')
       await self._wait(remaining)
 
   def drain_blocking(self, timeout: float | None = None) -> None:
@@ -437,11 +393,27 @@ class RolloutQueue(queue_state.QueueState):
     """Stops the queue (thread-safe, idempotent): every waiter, and every
     later admit, put, get_batch or drain, raises `QueueClosed`. Counters stay
     readable; `Lease.cancel` still works so accounting can finish."""
-    self._call(self._close)
+    self._call(self._books.close)
 
   @property
   def closed(self) -> bool:
-    return self._closed
+    return self._books.closed
+
+  @property
+  def batch_size(self) -> int:
+    return self._books.batch_size
+
+  @property
+  def max_staleness(self) -> int:
+    return self._books.max_staleness
+
+  @property
+  def group_size(self) -> int:
+    return self._books.group_size
+
+  @property
+  def capacity(self) -> int | None:
+    return self._books.capacity
 
   # ---------------------------------------------------------------- metrics
 
@@ -458,11 +430,11 @@ class RolloutQueue(queue_state.QueueState):
     (tokens; 0 when none); learner_wait_seconds, admission_wait_seconds
     (summed over concurrent admits: worker-seconds), put_wait_seconds.
     """
-    return self._call(self._stats)
+    return self._call(self._books.stats)
 
   def state_dict(self) -> dict[str, Any]:
     """The counters, JSON-able (thread-safe); trajectories are not saved."""
-    return self._call(self._state_dict)
+    return self._call(self._books.state_dict)
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     """Restores counters into a queue with nothing queued or in flight.
@@ -470,12 +442,12 @@ class RolloutQueue(queue_state.QueueState):
     What was queued or in flight at save time is gone; it is counted in
     `lost_on_restore`, so that the accounting identity still holds.
     """
-    self._call(self._load_state_dict, state)
+    self._call(self._books.load_state_dict, state)
 
   # ---------------------------------------------------------------- internals
 
   def _raise_if_closed(self) -> None:
-    if self._closed:
+    if self._books.closed:
       raise QueueClosed('the rollout queue is closed')
 
   # ------------------------------------------------------ event-loop bridge

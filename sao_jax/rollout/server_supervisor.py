@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from sao_jax.rollout import local_servers
+from sao_jax.rollout import launch
 
 _log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ _POLL_S = 0.5
 class Supervisor:
   """Restarts dead local servers with backoff (a daemon thread)."""
 
-  def __init__(self, servers: Sequence[local_servers.LocalServer], *,
+  def __init__(self, servers: Sequence[launch.SubprocessServer], *,
                on_death: Callable[[str], None], max_backoff_s: float = 30.0,
                start_timeout_s: float = 600.0):
     """Sets up (does not start) supervision of `servers`.
@@ -61,7 +61,7 @@ class Supervisor:
                                     daemon=True)
     self._thread.start()
 
-  def stop(self) -> list[local_servers.LocalServer]:
+  def stop(self) -> list[launch.SubprocessServer]:
     """Stops supervising (no restart after this); returns the servers."""
     self._stop.set()
     if self._thread is not None:
@@ -93,7 +93,7 @@ class Supervisor:
       _log.warning('rollout server %s exited with %s; restarting it in'
                    ' %.0f s; end of %s:\n%s', server.address,
                    server.process.returncode, self._backoff_s[i],
-                   server.log_path, local_servers.log_tail(server.log_path,
+                   server.log_path, launch.log_tail(server.log_path,
                                                            1500))
       self._on_death(server.address)
       self._retry_at[i] = now + self._backoff_s[i]
@@ -102,9 +102,9 @@ class Supervisor:
     if now < self._retry_at[i]:
       return
     try:
-      fresh = local_servers.respawn(server, self._start_timeout_s,
+      fresh = launch.respawn(server, self._start_timeout_s,
                                     should_abort=self._stop.is_set)
-    except local_servers.StartAborted:
+    except launch.StartAborted:
       return
     except Exception as e:  # pylint: disable=broad-except
       # Port taken, crash during start: try again after a longer backoff.

@@ -1,10 +1,17 @@
-"""ServerPool bookkeeping that needs no server: generator idle time."""
+"""ServerPool bookkeeping that needs no server: generator idle time; the
+client's imports."""
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
 from sao_jax.rollout import client as client_lib
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 def test_generator_idle_fraction_counts_time_with_nothing_in_flight(
@@ -32,3 +39,15 @@ def test_generator_idle_fraction_counts_time_with_nothing_in_flight(
 
   # 10 s per server: first idle 2 + 4 = 6 s, second 2 + 6 = 8 s.
   assert asyncio.run(scenario()) == pytest.approx((6 + 8) / 20)
+
+
+def test_client_imports_no_jax():
+  # Workers' client code runs beside the learner but needs no accelerator
+  # stack: the wire format lives in `wire`, free of JAX.
+  code = ('import sys; import sao_jax.rollout.client;'
+          ' print("jax" in sys.modules)')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, check=True, env=dict(
+                           os.environ, PYTHONPATH=_ROOT + os.pathsep
+                           + os.environ.get('PYTHONPATH', '')))
+  assert out.stdout.strip() == 'False', out.stderr

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from sao_jax.models import sampling
-from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import wire
 import sao_jax.models
 
 pb = jetstream_compat.jetstream_pb2
@@ -54,7 +54,7 @@ def run_requests(engine, prompts, max_tokens):
     async for response in llm.Decode(request):
       for sample in response.stream_content.samples:
         if sample.token_ids:
-          steps.append(client_lib.decode_step_ids(sample.token_ids))
+          steps.append(wire.decode_step(sample.token_ids))
     return ([t for s in steps for t in s[0]], [l for s in steps for l in s[1]],
             [v for s in steps for v in s[2]])
 
@@ -104,7 +104,7 @@ def test_prompt_bos_is_not_added(tiny_checkpoint):
 def test_too_long_prompt_is_refused_not_truncated(tiny_checkpoint):
   engine, _, _ = make_engine(tiny_checkpoint)
   ((tokens, _, versions),) = run_requests(engine, [[5] * 40], max_tokens=8)
-  assert versions == [engine_lib.PROMPT_TOO_LONG] and tokens == [0]
+  assert versions == [wire.PROMPT_TOO_LONG] and tokens == [0]
 
 
 def test_samples_per_slot_gives_groups(tiny_checkpoint):
@@ -120,7 +120,7 @@ def test_samples_per_slot_gives_groups(tiny_checkpoint):
     async for response in llm.Decode(request):
       for i, sample in enumerate(response.stream_content.samples):
         if sample.token_ids:
-          per[i].append(client_lib.decode_step_ids(sample.token_ids))
+          per[i].append(wire.decode_step(sample.token_ids))
     return per
 
   per = drive(engine, one)
@@ -161,7 +161,7 @@ def sample_directly(engine, prompt, steps):
   tokens = []
   for _ in range(steps):
     state, result = engine.generate(None, state)
-    tokens.append(int(result.data[0, engine_lib.TOKEN]))
+    tokens.append(int(result.data[0, wire.TOKEN]))
   return tokens
 
 

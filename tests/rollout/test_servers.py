@@ -27,7 +27,7 @@ from sao_jax import errors
 from sao_jax.models import sampling
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes
-from sao_jax.rollout import local_servers
+from sao_jax.rollout import launch
 from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server as server_lib
 from sao_jax.rollout import weight_sync
@@ -48,18 +48,17 @@ SERVER_FLAGS = (f'--config.rollout.temperature={PARAMS.temperature}',
 
 
 def test_server_argv_gives_each_server_its_index_and_the_restart():
-  argv = local_servers.server_argv('configs/default.py:x', 2, 3,
-                                   ['--config.seed=5', '--host=::1'])
+  argv = launch.server_argv('configs/default.py:x', 2, 3,
+                            ['--config.seed=5', '--host=::1'])
   assert argv[1:] == ['-m', 'sao_jax.serve', '--config=configs/default.py:x',
                       '--port=0', '--server_index=2', '--restart=3',
                       '--config.seed=5', '--host=::1']
-  assert local_servers.server_argv('c.py', 0)[-2:] == ['--server_index=0',
-                                                       '--restart=0']
+  assert launch.server_argv('c.py', 0)[-2:] == ['--server_index=0',
+                                                '--restart=0']
 
 
 def test_server_argv_names_the_weights_root_and_the_parent():
-  argv = local_servers.server_argv('c.py', 0, weights_root='w',
-                                   parent_pid=42)
+  argv = launch.server_argv('c.py', 0, weights_root='w', parent_pid=42)
   assert f'--weights_root={os.path.abspath("w")}' in argv
   assert '--parent_pid=42' in argv
 
@@ -104,14 +103,14 @@ def weights_root(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def servers(tiny_checkpoint_no_eos, tmp_path_factory, weights_root):
-  started = local_servers.start(
+  started = launch.start_subprocesses(
       os.path.join(ROOT, 'configs', 'default.py'), count=2, secret=SECRET,
       log_dir=str(tmp_path_factory.mktemp('server_logs')),
       overrides=(f'--config.model.source={tiny_checkpoint_no_eos}',
                  *SERVER_FLAGS),
       env=dict(JAX_PLATFORMS='cpu'), weights_root=str(weights_root))
   yield [(s.process, s.address) for s in started]
-  local_servers.stop(started)
+  launch.stop(started)
   for server in started:
     assert server.process.returncode in (0, -signal.SIGKILL)
 

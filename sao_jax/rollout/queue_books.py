@@ -1,13 +1,13 @@
 """The rollout queue's books, and every change to them, none of which waits.
 
-`RolloutQueue` (queue.py) is a `QueueState` that adds what waits or crosses
-threads: admission, backpressure, the learner's batches and blocking calls.
-Here are the slots admitted and in flight, the queued trajectories (ready
-units and partial GRPO groups), the deadlines the admission rule reads, the
-groups released or failed, and the counters behind `stats()` and the
-accounting identity (see queue.py's docstring). Each method is one step that
-runs in the queue's event loop thread, never awaits, and ends by waking the
-waiters (`_notify`) when it changed something they may wait for.
+`queue.RolloutQueue` owns one `Books` and adds what waits or crosses threads:
+admission, backpressure, the learner's batches and blocking calls. The books
+hold the slots admitted and in flight, the queued trajectories (ready units
+and partial GRPO groups), the deadlines the admission rule reads, the groups
+released or failed, and the counters behind `stats()` and the accounting
+identity (docs/design/queue.md). Each method is one step that runs in the
+queue's event loop thread, never awaits, and ends by calling `notify` (the
+queue wakes its waiters) when it changed something they may wait for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sao_jax.rollout import trajectory
@@ -58,61 +58,79 @@ class _Item:
   length: int
 
 
-class QueueState:
-  """What `RolloutQueue` knows, and its changes (see the module docstring)."""
+class Books:
+  """What `RolloutQueue` knows, and its changes (see the module docstring).
 
-  def __init__(self, batch_size: int, max_staleness: int, vocab_size: int,
-               max_length: int, group_size: int, capacity: int | None,
-               logprob_tolerance: float, max_abs_reward: float | None = None,
-               required_info: Mapping[str, Any] | None = None):
-    """Empty books at learner and rollout version 0 (arguments: see
-    `RolloutQueue`, which checks them)."""
+  The queue reads the public attributes; everything else is the books' own.
+  """
+
+  def __init__(self, batch_size: int, max_staleness: int, group_size: int,
+               capacity: int | None, notify: Callable[[], None]):
+    """Empty books at learner and rollout version 0.
+
+    Args:
+      batch_size, max_staleness, group_size, capacity: as `RolloutQueue`,
+        which checks them.
+      notify: called after a change a waiter may wait for.
+    """
     self.batch_size = int(batch_size)
     self.max_staleness = int(max_staleness)
-    self.vocab_size = int(vocab_size)
-    self.max_length = int(max_length)
     self.group_size = int(group_size)
     self.capacity = None if capacity is None else int(capacity)
-    self.logprob_tolerance = float(logprob_tolerance)
-    self.max_abs_reward = (None if max_abs_reward is None else
-                           float(max_abs_reward))
-    # A copy: the caller's mapping changing later must not change the gate.
-    self.required_info = (None if required_info is None else
-                          dict(required_info))
+    self._notify = notify
 
-    self._learner_version = 0
-    self._rollout_version = 0
+    self.learner_version = 0
+    self.rollout_version = 0
     self._batches_since_version = 0  # batches taken since set_learner_version
-    self._closed = False
-    self._in_flight = 0
-    self._queued = 0  # accepted, not consumed or dropped: ready + partial
+    self.closed = False
+    self.in_flight = 0
+    self.queued = 0  # accepted, not consumed or dropped: ready + partial
     self._ready: collections.deque[list[_Item]] = collections.deque()
-    self._ready_count = 0
+    self.ready_count = 0
     self._partial: dict[Any, list[_Item]] = {}  # group id -> members so far
     # group id -> 'released' | 'failed', oldest forgotten first.
     self._finished_groups: collections.OrderedDict[Any, str] = (
         collections.OrderedDict())
     # Deadlines of outstanding trajectories (a multiset; few distinct keys).
     self._deadlines: collections.Counter[int] = collections.Counter()
-    self._blocked_puts = 0
+    self.blocked_puts = 0
     self._stale_drop_events = 0  # for rate-limiting their log lines
 
-    self._counters: dict[str, float] = {k: 0 for k in _INT_COUNTERS}
-    self._counters.update({k: 0.0 for k in _FLOAT_COUNTERS})
+    self.counters: dict[str, float] = {k: 0 for k in _INT_COUNTERS}
+    self.counters.update({k: 0.0 for k in _FLOAT_COUNTERS})
     self._rejected: collections.Counter[str] = collections.Counter()
     self._staleness: collections.Counter[int] = collections.Counter()
 
-  def _notify(self) -> None:
-    """Tells the waiters that the books changed: the waiters are
-    `RolloutQueue`'s, which overrides this."""
+  def admit(self, n: int) -> int:
+    """Takes `n` slots in flight (admission said yes); returns their
+    deadline, the last learner version that may consume them."""
+    deadline = self.rollout_version + self.max_staleness
+    self.in_flight += n
+    self.counters['admitted'] += n
+    self._deadlines[deadline] += n
+    return deadline
 
-  def _cancel(self, lease: queue_lib.Lease, count: int | None) -> int:
+  def put_must_wait(self, group) -> bool:
+    """Whether a put of a member of `group` waits for room (backpressure).
+
+    A member that completes a queued group passes (partial groups must not
+    deadlock a full queue); one of a failed group is dropped at once.
+    """
+    return (self.capacity is not None and self.queued >= self.capacity and
+            group not in self._partial and
+            self._finished_groups.get(group) != 'failed')
+
+  def newest_version(self) -> int:
+    """The newest policy version a token may carry."""
+    return max(self.rollout_version, self.learner_version)
+
+  def cancel(self, lease: queue_lib.Lease, count: int | None) -> int:
     """Gives back open slots of `lease`; see `Lease.cancel`."""
     count = lease._open if count is None else min(int(count), lease._open)
     if count <= 0:
       return 0
     lease._open -= count
-    self._counters['cancelled'] += count
+    self.counters['cancelled'] += count
     self._release_slots(lease, count)
     if self.group_size > 1 and lease.group_id is not None:
       self._fail_group(lease.group_id)
@@ -120,24 +138,24 @@ class QueueState:
     self._notify()
     return count
 
-  def _headroom(self) -> int:
+  def headroom(self) -> int:
     """How many rollouts admission lets start now (may be negative)."""
-    deadline = self._rollout_version + self.max_staleness
+    deadline = self.rollout_version + self.max_staleness
     if self._deadlines:
       deadline = min(deadline, min(self._deadlines))
-    outstanding = self._in_flight + self._queued
-    return (deadline - self._next_version() + 1) * self.batch_size - outstanding
+    outstanding = self.in_flight + self.queued
+    return (deadline - self.next_version() + 1) * self.batch_size - outstanding
 
-  def _next_version(self) -> int:
+  def next_version(self) -> int:
     """The learner version the next batch will be trained at.
 
     Between taking a batch and reporting its new version the learner is a
     step ahead of what it last said; without assuming so, admission would
     start rollouts in that window that the next batch finds too stale.
     """
-    return self._learner_version + self._batches_since_version
+    return self.learner_version + self._batches_since_version
 
-  def _group_reason(self, lease: queue_lib.Lease, group) -> str | None:
+  def group_reason(self, lease: queue_lib.Lease, group) -> str | None:
     if group is None:
       return 'missing_group_id'
     if group is _BAD_GROUP:  # `rejection_reason` rejects these first
@@ -148,9 +166,9 @@ class QueueState:
       return 'group_overflow'
     return None
 
-  def _reject(self, lease: queue_lib.Lease, traj, reason: str, group) -> None:
-    self._counters['put'] += 1
-    self._counters['rejected'] += 1
+  def reject(self, lease: queue_lib.Lease, traj, reason: str, group) -> None:
+    self.counters['put'] += 1
+    self.counters['rejected'] += 1
     self._rejected[reason] += 1
     self._release_slots(lease, 1)
     count = self._rejected[reason]
@@ -169,10 +187,10 @@ class QueueState:
     self._lease_progress(lease)
     self._notify()
 
-  def _accept(self, lease: queue_lib.Lease, traj: trajectory.Trajectory,
+  def accept(self, lease: queue_lib.Lease, traj: trajectory.Trajectory,
               group) -> bool:
-    self._counters['put'] += 1
-    self._counters['accepted'] += 1
+    self.counters['put'] += 1
+    self.counters['accepted'] += 1
     self._release_slots(lease, 1)
     oldest = traj.oldest_version
     item = _Item(traj, oldest, oldest + self.max_staleness, traj.length)
@@ -180,9 +198,9 @@ class QueueState:
     if self.group_size == 1:
       self._enqueue(item)
       self._ready.append([item])
-      self._ready_count += 1
+      self.ready_count += 1
     elif self._finished_groups.get(group) == 'failed':
-      self._counters['dropped_incomplete_group'] += 1
+      self.counters['dropped_incomplete_group'] += 1
       kept = False
     else:
       lease._groups.add(group)
@@ -192,22 +210,22 @@ class QueueState:
       if len(members) == self.group_size:
         del self._partial[group]
         self._ready.append(members)
-        self._ready_count += len(members)
+        self.ready_count += len(members)
         self._remember_group(group, 'released')
     self._lease_progress(lease)
     self._notify()
     return kept
 
   def _enqueue(self, item: _Item) -> None:
-    self._queued += 1
+    self.queued += 1
     self._deadlines[item.deadline] += 1
 
   def _dequeue(self, item: _Item) -> None:
-    self._queued -= 1
+    self.queued -= 1
     self._discard_deadline(item.deadline, 1)
 
   def _release_slots(self, lease: queue_lib.Lease, count: int) -> None:
-    self._in_flight -= count
+    self.in_flight -= count
     self._discard_deadline(lease.deadline, count)
 
   def _discard_deadline(self, deadline: int, count: int) -> None:
@@ -233,8 +251,8 @@ class QueueState:
       return
     for item in self._partial.pop(group, []):
       self._dequeue(item)
-      self._counters['dropped_incomplete_group'] += 1
-    self._counters['dropped_groups'] += 1
+      self.counters['dropped_incomplete_group'] += 1
+    self.counters['dropped_groups'] += 1
     self._remember_group(group, 'failed')
     _log.debug('rollout queue dropped incomplete group %r', group)
 
@@ -244,7 +262,7 @@ class QueueState:
     while len(self._finished_groups) > _GROUP_MEMORY:
       self._finished_groups.popitem(last=False)
 
-  def _drop_stale(self, version: int) -> None:
+  def drop_stale(self, version: int) -> None:
     """Drops ready units (trajectories or whole groups) too stale at
     `version`: the last resort, when admission could not keep the bound."""
     if not any(version - item.oldest > self.max_staleness
@@ -257,60 +275,60 @@ class QueueState:
         continue
       for item in unit:
         self._dequeue(item)
-        self._counters['dropped_stale'] += 1
-        self._counters['dropped_stale_length_sum'] += item.length
-      self._ready_count -= len(unit)
+        self.counters['dropped_stale'] += 1
+        self.counters['dropped_stale_length_sum'] += item.length
+      self.ready_count -= len(unit)
       if self.group_size > 1:
-        self._counters['dropped_stale_groups'] += 1
+        self.counters['dropped_stale_groups'] += 1
       self._stale_drop_events += 1
       loud = self._stale_drop_events <= _LOUD_REJECTIONS
       _log.log(logging.WARNING if loud else logging.DEBUG,
                'rollout queue dropped %d stale trajectories (oldest version'
                ' %d at learner version %d, max_staleness %d; %d so far)',
                len(unit), min(item.oldest for item in unit), version,
-               self.max_staleness, self._counters['dropped_stale'])
+               self.max_staleness, self.counters['dropped_stale'])
     self._ready = kept
     self._notify()
 
-  def _take(self, version: int) -> list[trajectory.Trajectory]:
+  def take(self, version: int) -> list[trajectory.Trajectory]:
     batch = []
     while len(batch) < self.batch_size:
       for item in self._ready.popleft():
         self._dequeue(item)
-        self._ready_count -= 1
+        self.ready_count -= 1
         self._staleness[version - item.oldest] += 1
-        self._counters['consumed'] += 1
-        self._counters['kept_length_sum'] += item.length
+        self.counters['consumed'] += 1
+        self.counters['kept_length_sum'] += item.length
         batch.append(item.traj)
-    self._counters['batches'] += 1
+    self.counters['batches'] += 1
     self._batches_since_version += 1
     self._notify()
     return batch
 
-  def _set_learner_version(self, version: int) -> None:
-    self._learner_version = version
+  def set_learner_version(self, version: int) -> None:
+    self.learner_version = version
     self._batches_since_version = 0
     self._notify()
 
-  def _set_rollout_version(self, version: int) -> None:
-    self._rollout_version = version
+  def set_rollout_version(self, version: int) -> None:
+    self.rollout_version = version
     self._notify()
 
-  def _close(self) -> None:
-    self._closed = True
+  def close(self) -> None:
+    self.closed = True
     self._notify()
 
-  def _stats(self) -> dict[str, float]:
-    c = self._counters
+  def stats(self) -> dict[str, float]:
+    c = self.counters
     out = {k: c[k] for k in _INT_COUNTERS + _FLOAT_COUNTERS
            if not k.endswith('_length_sum')}
     out.update(
-        in_flight=self._in_flight, queued=self._queued,
-        ready=self._ready_count, partial_groups=len(self._partial),
-        blocked_puts=self._blocked_puts,
-        admission_headroom=self._headroom(),
-        learner_version=self._learner_version,
-        rollout_version=self._rollout_version,
+        in_flight=self.in_flight, queued=self.queued,
+        ready=self.ready_count, partial_groups=len(self._partial),
+        blocked_puts=self.blocked_puts,
+        admission_headroom=self.headroom(),
+        learner_version=self.learner_version,
+        rollout_version=self.rollout_version,
         max_consumed_staleness=max(self._staleness, default=0),
         kept_mean_length=c['kept_length_sum'] / max(c['consumed'], 1),
         dropped_stale_mean_length=(c['dropped_stale_length_sum'] /
@@ -321,19 +339,19 @@ class QueueState:
       out[f'staleness/{staleness}'] = count
     return out
 
-  def _state_dict(self) -> dict[str, Any]:
+  def state_dict(self) -> dict[str, Any]:
     return {
-        'counters': dict(self._counters),
+        'counters': dict(self.counters),
         'rejected': dict(self._rejected),
         'staleness': {str(k): v for k, v in self._staleness.items()},
-        'in_flight': self._in_flight,
-        'queued': self._queued,
+        'in_flight': self.in_flight,
+        'queued': self.queued,
     }
 
-  def _load_state_dict(self, state: dict[str, Any]) -> None:
-    if self._in_flight or self._queued:
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    if self.in_flight or self.queued:
       raise ValueError('RolloutQueue.load_state_dict: the queue is in use'
-                       f' ({self._in_flight} in flight, {self._queued}'
+                       f' ({self.in_flight} in flight, {self.queued}'
                        ' queued); restore into a fresh one')
     counters = {k: 0 for k in _INT_COUNTERS}
     counters.update({k: 0.0 for k in _FLOAT_COUNTERS})
@@ -342,7 +360,7 @@ class QueueState:
         counters[key] = type(counters[key])(value)
     counters['lost_on_restore'] += int(state['in_flight']) + int(
         state['queued'])
-    self._counters = counters
+    self.counters = counters
     self._rejected = collections.Counter(
         {k: int(v) for k, v in state['rejected'].items()})
     self._staleness = collections.Counter(

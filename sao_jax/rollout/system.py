@@ -1,0 +1,324 @@
+"""The rollout side of one training process, behind one object.
+
+`RolloutSystem` owns the rollout servers (started here as supervised
+subprocesses, or remote ones named by `config.rollout.server_addresses`), the
+workers that play episodes against them, the queue the workers fill, and the
+weight publisher that brings the servers to the learner's policy. The trainer
+talks to it only through its methods:
+
+  rollouts = system.RolloutSystem(config, workdir, tok, env, ledger,
+                                  vocab_size, batch_size, version=step,
+                                  restart=restart, stop_flag=stop_flag)
+  rollouts.start(policy_state, step)
+  trajectories, batch = rollouts.next_batch(timeout_s)
+  ... train at version step ...
+  rollouts.set_learner_version(step + 1)
+  rollouts.push_weights(policy_state, step + 1)   # every sync_every steps
+  rollouts.stats(); rollouts.state_dict()          # metrics, checkpoints
+  rollouts.stop()
+
+Every wait (a batch, a drain, a weight push) polls once a second for a stop
+request (`stop_flag`) and for live servers, so that neither a SIGTERM nor a
+run without servers leaves the trainer blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sao_jax import config_lib
+from sao_jax.rollout import batching
+from sao_jax.rollout import episodes
+from sao_jax.rollout import launch
+from sao_jax.rollout import queue as queue_lib
+from sao_jax.rollout import server_supervisor
+from sao_jax.rollout import trajectory
+from sao_jax.rollout import weight_sync
+from sao_jax.rollout import workers
+
+# The longest single wait between two checks for a stop or a dead fleet.
+_POLL_S = 1.0
+
+
+def check_inputs(config) -> None:
+  """Raises what `RolloutSystem` would fail on in its inputs, before the
+  model loads: remote servers need a readable admin secret."""
+  if config.rollout.server_addresses:
+    weight_sync.read_secret(config.rollout.admin_secret_file or None)
+
+
+class RolloutSystem:
+  """Servers, queue and workers of this process, and how weights reach them.
+
+  Local servers are supervised (restarted when they die). Every server, local
+  or remote, starts out of rotation: the pool's revive hook
+  (`WeightPublisher.catch_up`) checks its sampling settings and loads the
+  current weights before it gets traffic, and does the same for any server
+  that died, hung or missed a push. The queue's rollout version is the
+  minimum version the live servers acknowledged.
+  """
+
+  def __init__(self, config, workdir: str, tok, env, ledger, vocab_size: int,
+               batch_size: int, version: int, restart: int, stop_flag):
+    """Starts the local servers (if any) and sets up queue and workers.
+
+    Args:
+      config: the run's config (its `rollout` section, `group_size`).
+      workdir: the run's directory; weights go to `weights/`, local server
+        logs to `server_logs/`.
+      tok: the policy's tokenizer.
+      env: the environment episodes run in.
+      ledger: the task ledger workers take tasks from (`next_task`).
+      vocab_size: token ids must lie in [0, vocab_size).
+      batch_size: trajectories per batch of this process.
+      version: the policy version the run starts at (learner and servers).
+      restart: how many times the run was restarted (folded into the local
+        servers' sampling keys).
+      stop_flag: `checkpointing`'s stop flag, polled in every wait.
+    """
+    r = config.rollout
+    self._config = config
+    self._pad_id = tok.pad_id or 0
+    self._stop_flag = stop_flag
+    self._weights_dir = os.path.join(workdir, 'weights')
+    os.makedirs(self._weights_dir, exist_ok=True)
+    secret = (weight_sync.read_secret(r.admin_secret_file or None)
+              if r.server_addresses or r.admin_secret_file
+              else secrets.token_hex(16))
+    self._supervisor = None
+    self._server_log_dir = os.path.join(workdir, 'server_logs')
+    if r.server_addresses:
+      self._addresses = [a.strip() for a in r.server_addresses.split(',')
+                         if a.strip()]
+    else:
+      config_path = os.path.join(workdir, 'server_config.py')
+      config_lib.write_config_file(config, config_path)
+      servers = launch.start_subprocesses(
+          config_path, count=r.num_servers, secret=secret,
+          log_dir=self._server_log_dir, restart=restart,
+          weights_root=self._weights_dir)
+      self._addresses = [s.address for s in servers]
+      self._supervisor = server_supervisor.Supervisor(
+          servers, on_death=self._on_death,
+          max_backoff_s=r.max_restart_backoff_s)
+    self._publisher = weight_sync.WeightPublisher(
+        self._addresses, secret, push_timeout_s=r.push_timeout_s,
+        health_timeout_s=r.health_timeout_s,
+        sampling={k: r[k] for k in weight_sync.SAMPLING_KEYS})
+    self._queue = queue_lib.RolloutQueue(
+        batch_size, r.max_staleness, vocab_size, r.max_sequence_length,
+        group_size=config.group_size, capacity=r.queue_capacity or None,
+        logprob_tolerance=r.logprob_tolerance,
+        max_abs_reward=r.max_abs_reward,
+        required_info={'task_index': int})
+    self._queue.set_learner_version(version)
+    self._queue.set_rollout_version(version)
+    self._rollout_version = version
+    self._runner = workers.RolloutRunner(
+        addresses=self._addresses, env=env, next_task=ledger.next_task,
+        queue=self._queue, tok=tok,
+        limits=episodes.EpisodeLimits(
+            max_new_tokens=r.max_new_tokens,
+            max_sequence_length=r.max_sequence_length,
+            max_prompt_length=r.max_prefill_length - 1),
+        num_workers=r.num_workers, group_size=config.group_size,
+        group_in_one_request=r.group_in_one_request,
+        pool_options=dict(stop_ids=tok.stop_ids,
+                          max_in_flight_per_server=r.max_in_flight_per_server,
+                          deadline_s=r.request_deadline_s,
+                          max_retries=r.max_retries,
+                          max_prompt_length=r.max_prefill_length - 1,
+                          probe_interval_s=r.health_interval_s,
+                          health_timeout_s=r.health_timeout_s,
+                          before_revive=self._publisher.catch_up,
+                          start_dead=True))
+    self._last_live = time.monotonic()
+
+  # ------------------------------------------------------------- lifecycle
+
+  def start(self, policy_state, version: int) -> None:
+    """Starts workers and supervision; servers join once they serve
+    `version` (written now: a resume's servers, or remote ones left at
+    another run's version, load it before they get traffic)."""
+    self._publisher.set_current(self._save(policy_state, version), version)
+    self._runner.start()
+    if self._supervisor is not None:
+      self._supervisor.start()
+    self._last_live = time.monotonic()
+
+  def stop(self) -> None:
+    """Stops the workers (closing the queue) and the local servers."""
+    self._runner.stop()
+    servers = (self._supervisor.stop() if self._supervisor is not None
+               else [])
+    launch.stop(servers)
+
+  # ---------------------------------------------------------------- batches
+
+  def next_batch(self, timeout_s: float
+                 ) -> tuple[list[trajectory.Trajectory], batching.Batch]:
+    """The next batch: its trajectories and their padded [B, T] arrays.
+
+    Waits in short polls (see `_poll`).
+
+    Raises:
+      TimeoutError: no batch within `timeout_s`, or no live server for
+        `no_server_grace_s` (`check_servers`).
+      checkpointing.StopRequested: a stop was requested meanwhile.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def give_up(e: TimeoutError) -> None:
+      if time.monotonic() >= deadline:
+        raise TimeoutError(
+            f'no batch within config.rollout.get_batch_timeout_s='
+            f'{timeout_s:.0f} s: {str(e).partition("(")[2].rstrip(")")};'
+            f' live servers: {len(self._runner.pool.live_servers)} of'
+            f' {len(self._addresses)}') from None
+
+    trajectories = self._poll(
+        lambda poll_s: self._queue.get_batch_blocking(
+            timeout=max(min(poll_s, deadline - time.monotonic()), 0.0)),
+        on_timeout=give_up)
+    return trajectories, batching.assemble_batch(
+        trajectories, self._config.rollout.max_sequence_length, self._pad_id)
+
+  def set_learner_version(self, version: int) -> None:
+    """The policy version the learner now holds; call it after every step
+    (`RolloutQueue.set_learner_version`)."""
+    self._queue.set_learner_version(version)
+
+  def drain(self) -> None:
+    """Waits until nothing is in flight (synchronous mode), in short polls."""
+    self._poll(lambda poll_s: self._queue.drain_blocking(timeout=poll_s))
+
+  # ---------------------------------------------------------------- weights
+
+  def push_weights(self, policy_state, version: int) -> dict[str, float]:
+    """Writes the policy and makes the live servers serve it as `version`.
+
+    Returns:
+      Timings and outcome counts, as metrics.
+    """
+    start = time.perf_counter()
+    path = self._save(policy_state, version)
+    saved = time.perf_counter()
+
+    async def push_to_live():
+      pool = self._runner.pool
+      result = await self._publisher.push(path, version, pool.live_servers)
+      for address in result.failed:
+        await pool.mark_unhealthy(address, 'weight_push_failed')
+      return result
+
+    future = asyncio.run_coroutine_threadsafe(push_to_live(),
+                                              self._runner.loop)
+    result = self._poll(lambda poll_s: future.result(timeout=poll_s),
+                        on_abort=future.cancel)
+    self._sync_rollout_version()
+    for old in os.listdir(self._weights_dir):
+      if old != f'v{version}':
+        shutil.rmtree(os.path.join(self._weights_dir, old),
+                      ignore_errors=True)
+    return {'time/weight_save_seconds': saved - start,
+            'time/weight_push_seconds': result.seconds,
+            'rollout/servers_updated': float(len(result.updated)),
+            'rollout/servers_failed_update': float(len(result.failed))}
+
+  def _save(self, policy_state, version: int) -> str:
+    path = os.path.join(self._weights_dir, f'v{version}')
+    # A resume, or an extended run, writes the version it starts at again.
+    weight_sync.save_policy(path, policy_state)
+    return path
+
+  def _sync_rollout_version(self) -> None:
+    """The queue's rollout version: the least the live servers serve."""
+    pool = self._runner.pool
+    if pool is None:
+      return
+    version = self._publisher.rollout_version(pool.live_servers)
+    if version is not None and version > self._rollout_version:
+      self._rollout_version = version
+      self._queue.set_rollout_version(version)
+
+  # ---------------------------------------------------------------- servers
+
+  def check_servers(self) -> None:
+    """Raises when training cannot go on: a server samples differently
+    (`ConfigError`), or no server has been live for `no_server_grace_s`."""
+    if self._publisher.mismatch is not None:
+      raise config_lib.ConfigError(str(self._publisher.mismatch))
+    pool = self._runner.pool
+    now = time.monotonic()
+    if pool is None or pool.live_servers:
+      self._last_live = now
+      self._sync_rollout_version()
+      return
+    grace = self._config.rollout.no_server_grace_s
+    if now - self._last_live > grace:
+      where = (f'{self._supervisor.restarts} restarts so far, logs in'
+               f' {self._server_log_dir}' if self._supervisor is not None
+               else ', '.join(self._addresses))
+      raise TimeoutError(
+          f'no rollout server has been alive for {grace:.0f} s'
+          f' (config.rollout.no_server_grace_s; 0 of {len(self._addresses)}'
+          f' live: {where})')
+
+  def _on_death(self, address: str) -> None:
+    """From the supervisor thread: take a dead server out of rotation now
+    (it was idle, or its restart could take traffic before its weights)."""
+    loop = self._runner.loop
+    if loop is not None and not loop.is_closed() and self._runner.pool:
+      asyncio.run_coroutine_threadsafe(
+          self._runner.pool.mark_unhealthy(address, 'process_exited'), loop)
+
+  def _poll(self, attempt: Callable[[float], Any], *,
+            on_timeout: Callable[[TimeoutError], None] | None = None,
+            on_abort: Callable[[], Any] | None = None) -> Any:
+    """Calls `attempt(_POLL_S)` until it returns rather than times out.
+
+    After each `TimeoutError` of an attempt, `on_timeout` may raise (the
+    caller's own deadline passed); then a stop request or no live server
+    ends the wait, after `on_abort` (e.g. cancelling a future).
+    """
+    while True:
+      try:
+        return attempt(_POLL_S)
+      except TimeoutError as e:
+        if on_timeout is not None:
+          on_timeout(e)
+      try:
+        self._stop_flag.raise_if_requested()
+        self.check_servers()
+      except BaseException:
+        if on_abort is not None:
+          on_abort()
+        raise
+
+  # --------------------------------------------------------- state, metrics
+
+  def stats(self) -> dict[str, dict[str, float]]:
+    """Counters and gauges by section: 'queue' (`RolloutQueue.stats`) and
+    'rollout' (workers and client, weight pushes, the rollout version, local
+    server restarts), each to be logged under its section's prefix."""
+    rollout = dict(self._runner.stats())
+    rollout.update(self._publisher.counters)
+    rollout['rollout_version'] = float(self._rollout_version)
+    if self._supervisor is not None:
+      rollout.update(self._supervisor.stats())
+    return {'queue': self._queue.stats(), 'rollout': rollout}
+
+  def state_dict(self) -> dict[str, Any]:
+    """The queue's counters, JSON-able, for a checkpoint."""
+    return self._queue.state_dict()
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Restores `state_dict()` into a system whose workers have not
+    started."""
+    self._queue.load_state_dict(state)
