@@ -25,13 +25,14 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from sao_jax.envs import registry
 from sao_jax import errors
 from sao_jax import kernels
+from sao_jax import sharding
+from sao_jax.envs import registry
 from sao_jax.models import pretrained
 from sao_jax.rl import algorithms
 from sao_jax.rl import losses
-from sao_jax import sharding
+
 RUNNING_MEAN_SCOPES = ('prompt', 'global')
 ADVANTAGE_VALUES = ('pre_update', 'post_update')
 DTYPES = ('float32', 'bfloat16')

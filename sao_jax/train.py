@@ -22,8 +22,8 @@ from absl import flags
 
 from sao_jax import config_lib
 from sao_jax import evaluation
-from sao_jax.rollout import jetstream_compat
 from sao_jax import trainer
+from sao_jax.rollout import jetstream_compat
 
 _CONFIG = config_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',

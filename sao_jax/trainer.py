@@ -24,10 +24,10 @@ import numpy as np
 from sao_jax import checkpointing
 from sao_jax import config_lib
 from sao_jax import distributed
+from sao_jax import evaluation
 from sao_jax.envs import registry
 from sao_jax.envs import task_ledger
 from sao_jax.envs import task_stream
-from sao_jax import evaluation
 from sao_jax.learner import learner as learner_lib
 from sao_jax.logs import metrics_log
 from sao_jax.logs import plots
@@ -95,6 +95,9 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       env, exclude_questions={t.question for t in held_out}))
   mesh = learner_lib.mesh_from_config(config)
   learner = learner_lib.Learner(config, model, mesh)
+  # The run owns the learner state; every step donates it and returns the
+  # next one.
+  state = None
   ckpt = checkpointing.Checkpointer(
       os.path.join(workdir, 'checkpoints'),
       max_to_keep=config.checkpoint.max_to_keep,
@@ -102,16 +105,18 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   slots = train_metrics.PromptSlots(config.advantage.running_mean_slots)
   meta: dict[str, Any] = {}
   if ckpt.latest_step() is not None:
-    learner.state, meta = ckpt.restore(abstract_state=learner.abstract_state)
+    state, meta = ckpt.restore(abstract_state=learner.abstract_state)
     ledger.load_state_dict(meta['ledger'])
     slots.load_state_dict(meta['prompt_slots'])
-    _log.info('resumed from step %d', int(learner.state.step))
-  step = int(learner.state.step)
+    _log.info('resumed from step %d', int(state.step))
+  else:
+    state = learner.init_state()
+  step = int(state.step)
   # Each start of a run samples from its own random streams (servers fold it
   # into their seed), so a resume does not replay the first run's samples.
   restart = int(meta.get('restart', -1)) + 1
   batch_size = config.batch_size // jax.process_count()
-  rollouts = None
+  rollouts = records = None
   before = after = None
   stopped = False
   progress = progress_lib.Progress(config.total_steps, initial=step,
@@ -123,17 +128,19 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     if meta.get('queue'):
       rollouts.load_state_dict(meta['queue'])
     env.on_policy_step(step)
-    rollouts.start(learner.state.policy, step)
+    rollouts.start(state.policy, step)
     if config.eval.at_start and step == 0:
-      before = _evaluate(learner, tok, env, held_out, config, logger, 0,
+      before = _evaluate(learner, state, tok, env, held_out, config, logger, 0,
                          progress)
     elif meta.get('eval_before'):
       before = evaluation.EvalResult(**meta['eval_before'])
     if step == 0 and learner.uses_critic and not meta.get('pretrained'):
-      _pretrain_critic(learner, rollouts, config, logger, slots, ledger)
+      state = _pretrain_critic(learner, state, rollouts, config, logger,
+                               slots, ledger)
     # From here on a stop saves the step reached (polled, never mid-step).
     stop_flag.exit_immediately = False
     tracker = train_metrics.StepTimer()
+    records = _StepRecords(logger, progress, config.batch_size)
     while step < config.total_steps:
       try:
         with tracker.phase('wait'):
@@ -143,22 +150,25 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         stopped = True
         break
       with tracker.phase('train'):
-        slot_ids = slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)
-        learner.state, device_metrics = learner.train_step(
-            learner.state, learner.device_batch(batch, slot_ids))
-        jax.block_until_ready(learner.state.step)
+        batch = batch.replace(slot_ids_B=slots.batch_ids(
+            batch.tokens_BxT, batch.action_mask_BxT))
+        state, device_metrics = learner.train_step(
+            state, learner.device_batch(batch))
+        # Step n-1's metrics are read while step n runs (nanodo's order).
+        records.flush()
+        jax.block_until_ready(state.step)
       task_indices = sorted({t.info['task_index'] for t in trajectories})
       ledger.mark_done(task_indices)
       step += 1
       rollouts.set_learner_version(step)
       env.on_policy_step(step)
-      metrics = train_metrics.host_metrics(device_metrics)
+      metrics = {}
       if step % config.rollout.sync_every == 0:
         with tracker.phase('sync'):
           try:
             if config.rollout.max_staleness == 0:
               rollouts.drain()
-            metrics.update(rollouts.push_weights(learner.state.policy, step))
+            metrics.update(rollouts.push_weights(state.policy, step))
           except checkpointing.StopRequested:
             stopped = True  # the step is done: log and save it below
       metrics.update(train_metrics.batch_metrics(trajectories, step))
@@ -169,31 +179,32 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       for section, stats in rollouts.stats().items():
         metrics.update(train_metrics.prefixed(section, stats))
       metrics.update(tracker.metrics())
-      logger.write(step, metrics)
-      logger.write_histogram(step, 'rollout/staleness',
-                             [step - 1 - t.oldest_version
-                              for t in trajectories])
-      progress.update(step, metrics,
-                      trajectories=step * config.batch_size)
+      records.add(step, device_metrics, metrics,
+                  [step - 1 - t.oldest_version for t in trajectories])
       if config.eval.every and step % config.eval.every == 0 and (
           step < config.total_steps) and not stopped:
-        _evaluate(learner, tok, env, held_out, config, logger, step, progress)
+        records.flush()
+        _evaluate(learner, state, tok, env, held_out, config, logger, step,
+                  progress)
       stopped = stop_flag.should_stop() or stopped
-      ckpt.save(step, learner.state, _metadata(
+      ckpt.save(step, state, _metadata(
           config, ledger, slots, rollouts, before, restart), force=stopped)
       if stopped:
         break
+    records.flush()
     if stopped:
       # A no-op when this step was saved in the loop.
-      ckpt.save(step, learner.state, _metadata(
+      ckpt.save(step, state, _metadata(
           config, ledger, slots, rollouts, before, restart), force=True)
       progress.print_line(f'stop requested: saved step {step}')
     else:
-      after = _evaluate(learner, tok, env, held_out, config, logger, step,
-                        progress)
-      ckpt.save(step, learner.state, _metadata(
+      after = _evaluate(learner, state, tok, env, held_out, config, logger,
+                        step, progress)
+      ckpt.save(step, state, _metadata(
           config, ledger, slots, rollouts, before, restart), force=True)
   finally:
+    if records is not None:
+      records.flush()  # a failed run still logs the steps it finished
     ckpt.wait()
     progress.close()
     if rollouts is not None:
@@ -206,7 +217,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         os.path.join(workdir, 'learning_curves.png'),
         title=f'{config.algorithm} on {config.task.name}')
     if config.export_hf and not stopped:
-      pretrained.export_pretrained(learner.policy_model(), tok,
+      pretrained.export_pretrained(learner.policy_model(state), tok,
                                    os.path.join(workdir, 'hf_export'))
   ckpt.close()
   return RunResult(step, before, after, plot_path, stopped)
@@ -226,7 +237,39 @@ def _metadata(config, ledger, slots, rollouts, before,
   }
 
 
-def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
+class _StepRecords:
+  """Writes each step's metrics one step late, without a device sync.
+
+  A step's device metrics are read (`host_metrics`, a device-to-host copy)
+  only after the next step was dispatched, or at a flush before anything
+  else is logged (evaluations, the end of the run).
+  """
+
+  def __init__(self, logger, progress, batch_size: int):
+    self._logger = logger
+    self._progress = progress
+    self._batch_size = batch_size
+    self._pending = None
+
+  def add(self, step, device_metrics, host_metrics, staleness) -> None:
+    self.flush()
+    self._pending = (step, device_metrics, host_metrics, staleness)
+
+  def flush(self) -> None:
+    if self._pending is None:
+      return
+    step, device_metrics, host, staleness = self._pending
+    self._pending = None
+    metrics = train_metrics.host_metrics(device_metrics)
+    metrics.update(host)
+    self._logger.write(step, metrics)
+    self._logger.write_histogram(step, 'rollout/staleness', staleness)
+    self._progress.update(step, metrics,
+                          trajectories=step * self._batch_size)
+
+
+def _evaluate(learner, state, tok, env, tasks, config, logger, step,
+              progress):
   if not tasks:
     return None
   params, key = evaluation.GREEDY, None
@@ -234,7 +277,7 @@ def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
     params = sampling.SamplingParams(temperature=config.eval.temperature)
     key = jax.random.fold_in(jax.random.key(config.seed), step)
   result = evaluation.evaluate(
-      learner.policy_model(), tok, env, tasks,
+      learner.policy_model(state), tok, env, tasks,
       max_new_tokens=config.eval.max_new_tokens,
       batch_size=config.eval.batch_size, params=params, key=key)
   if jax.process_index() == 0:
@@ -250,24 +293,27 @@ def _evaluate(learner, tok, env, tasks, config, logger, step, progress):
   return result
 
 
-def _pretrain_critic(learner, rollouts, config, logger, slots, ledger):
+def _pretrain_critic(learner, state, rollouts, config, logger, slots, ledger):
   """Value pretraining (SAO §1.3): regress the initial policy's returns.
 
   Batches come from the frozen initial policy (version 0: nothing is pushed).
   Each batch's R^2 (`losses.r_squared`: explained variance that also counts
   the critic's offset from the mean return) is measured before the critic
   trains on it, a held-out score; training stops by `train_metrics.Plateau`
-  or after `critic.pretrain_steps` batches. The critic's optimizer is then reset, so
-  that RL's critic warm-up starts at RL step 0.
+  or after `critic.pretrain_steps` batches. The critic's optimizer is then
+  reset, so that RL's critic warm-up starts at RL step 0.
+
+  Returns:
+    the learner state after pretraining.
   """
   cfg = config.critic
   plateau = train_metrics.Plateau(cfg.pretrain_patience, cfg.pretrain_min_delta)
   for i in range(cfg.pretrain_steps):
     trajectories, batch = rollouts.next_batch(
         config.rollout.get_batch_timeout_s)
-    learner.state, m = learner.critic_step(
-        learner.state, learner.device_batch(
-            batch, slots.batch_ids(batch.tokens_BxT, batch.action_mask_BxT)))
+    batch = batch.replace(slot_ids_B=slots.batch_ids(batch.tokens_BxT,
+                                                     batch.action_mask_BxT))
+    state, m = learner.critic_step(state, learner.device_batch(batch))
     # The policy does not move: keep the queue's staleness clock at 0.
     rollouts.set_learner_version(0)
     ledger.mark_done({t.info['task_index'] for t in trajectories})
@@ -281,7 +327,7 @@ def _pretrain_critic(learner, rollouts, config, logger, slots, ledger):
       _log.info('value pretraining: R^2 plateaued at %.3f'
                 ' after %d batches', plateau.best, i + 1)
       break
-  learner.state = learner.reset_critic_optimizer(learner.state)
+  return learner.reset_critic_optimizer(state)
 
 
 def _save_replies(path, tasks, result) -> None:

@@ -35,7 +35,6 @@ import test_learner  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax import distributed  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.learner import learner as learner_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.rollout import batching  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def main():
@@ -50,19 +49,19 @@ def main():
   model, _ = tiny.make(seed=1)
   learner = learner_lib.Learner(config, model,
                                 learner_lib.mesh_from_config(config))
+  state = learner.init_state()
   rows = test_learner.BATCH // num_processes
   losses = []
   for seed in (0, 1):
     full = test_learner.fake_batch(seed)
-    mine = batching.Batch(**{k: v[process_id * rows:(process_id + 1) * rows]
-                             for k, v in vars(full).items()})
-    learner.state, metrics = learner.train_step(learner.state,
-                                                learner.device_batch(mine))
+    mine = jax.tree.map(lambda x: x[process_id * rows:(process_id + 1) * rows],
+                        full)
+    state, metrics = learner.train_step(state, learner.device_batch(mine))
     # Metrics are replicated: every process holds the whole value.
     losses.append({k: float(v.addressable_data(0))
                    for k, v in metrics.items()
                    if k in ('policy/loss', 'critic/loss')})
-  gathered = multihost_utils.process_allgather(learner.state.policy,
+  gathered = multihost_utils.process_allgather(state.policy,
                                                tiled=True)
   checksums = {jax.tree_util.keystr(k): float(np.abs(np.asarray(v)).sum())
                for k, v in jax.tree_util.tree_flatten_with_path(gathered)[0]}

@@ -20,9 +20,9 @@ def batch_mean_advantages(config, batch, values_BxT, state, mesh):
   """A toy estimator: each reward minus the batch's mean reward, A_t on every
   action token of its trajectory."""
   del config, values_BxT, mesh
-  reward_B = batch['reward']
+  reward_B = batch.reward_B
   adv_B = reward_B - jnp.mean(reward_B)
-  return advantages.broadcast_to_actions(adv_B, batch['action_mask']), state
+  return advantages.broadcast_to_actions(adv_B, batch.action_mask_BxT), state
 
 
 def batch_mean_preset(config):

@@ -7,9 +7,9 @@ import os
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import evaluation
 from sao_jax.envs import base
 from sao_jax.envs import registry
-from sao_jax import evaluation
 from sao_jax.models import decoding
 from sao_jax.models import sampling
 from sao_jax.models import tiny

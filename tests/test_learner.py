@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import types
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import tiny
 from sao_jax.rl import advantages
 from sao_jax.rl import algorithms
 from sao_jax.rollout import batching
-from sao_jax.rollout import trajectory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 8
@@ -51,17 +51,32 @@ def fake_batch(seed, nan_reward=False):
     reward = float(rng.integers(0, 2))
     if nan_reward and i == 3:
       reward = float('nan')
-    trajs.append(trajectory.Trajectory(
+    trajs.append(types.Trajectory(
         prompt_id=f'p{i // 4}', tokens=tokens, action_mask=mask,
         behavior_logprobs=logp.astype(np.float32),
         versions=np.where(mask, 0, -1).astype(np.int32), reward=reward))
   return batching.assemble_batch(trajs, 32, 0)
 
 
+class Owned:
+  """A (functional) learner and the state this test owns.
+
+  `run` threads `.state` through the steps; other attributes are the
+  learner's, so `owned.train_step(owned.state, ...)` reads like the trainer.
+  """
+
+  def __init__(self, learner):
+    self.learner = learner
+    self.state = learner.init_state()
+
+  def __getattr__(self, name):
+    return getattr(self.learner, name)
+
+
 def make_learner(config, devices):
   model, _ = tiny.make(seed=1)
   mesh = learner_lib.mesh_from_config(config, devices)
-  return learner_lib.Learner(config, model, mesh)
+  return Owned(learner_lib.Learner(config, model, mesh))
 
 
 @pytest.fixture(scope='module')
@@ -222,24 +237,16 @@ def test_pallas_kernels_run_per_shard_on_a_mesh(microbatches, one_device):
   assert_same_parameters(one, many, parts=('policy',))
 
 
-def batch_arrays(batch):
-  """The learner's batch dict (the fields GAE reads) on the host."""
-  return {'tokens': batch.tokens_BxT, 'input_mask': batch.input_mask_BxT,
-          'action_mask': batch.action_mask_BxT, 'rewards': batch.rewards_BxT,
-          'reward': batch.reward_B,
-          'num_action_tokens': batch.num_action_tokens_B}
-
-
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
 def test_skip_observations_switch_selects_the_gae_mask(implementation):
-  batch = batch_arrays(fake_batch(0))
+  batch = fake_batch(0)
   rng = np.random.default_rng(0)
-  values = rng.normal(size=batch['rewards'].shape).astype(np.float32)
-  returns = rng.normal(size=batch['rewards'].shape).astype(np.float32)
-  actions = batch['action_mask']
+  values = rng.normal(size=batch.rewards_BxT.shape).astype(np.float32)
+  returns = rng.normal(size=batch.rewards_BxT.shape).astype(np.float32)
+  actions = batch.action_mask_BxT
   # Real tokens from the first action on: the prompt (0..4) and padding drop
   # out, the observation (9..11) stays in.
-  response = batch['input_mask'] & (np.cumsum(actions, axis=1) > 0)
+  response = batch.input_mask_BxT & (np.cumsum(actions, axis=1) > 0)
   assert response[:, 9:12].all() and not response[:, :5].any()
 
   config = make_config(**{'kernels.implementation': implementation})
@@ -247,7 +254,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   lam = algorithms.policy_lambda(config, batch)
   np.testing.assert_array_equal(algorithms.gae_mask(config, batch), actions)
   got = algorithms.gae(config, batch, values, lam)
-  want = advantages.skip_observation_gae(batch['rewards'], values, actions,
+  want = advantages.skip_observation_gae(batch.rewards_BxT, values, actions,
                                          1.0, lam)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -257,7 +264,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   np.testing.assert_array_equal(algorithms.policy_lambda(naive, batch), lam)
   np.testing.assert_array_equal(algorithms.gae_mask(naive, batch), response)
   got = algorithms.gae(naive, batch, values, lam)
-  want = advantages.skip_observation_gae(batch['rewards'], values, response,
+  want = advantages.skip_observation_gae(batch.rewards_BxT, values, response,
                                          1.0, lam)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(got[0])[:, 9:12]).sum() > 0  # observations count
@@ -289,10 +296,9 @@ def test_naive_gae_trains_policy_on_actions_critic_on_response(one_device):
 
 def advantages_from(learner, state, batch, config):
   """Mean |A| of skip-observation GAE with the critic of `state`."""
-  arrays = batch_arrays(batch)
-  values = algorithms.critic_values(learner.critic_model(state), arrays)
-  adv, _ = algorithms.gae(config, arrays, values,
-                          algorithms.policy_lambda(config, arrays))
+  values = algorithms.critic_values(learner.critic_model(state), batch)
+  adv, _ = algorithms.gae(config, batch, values,
+                          algorithms.policy_lambda(config, batch))
   return float(np.sum(np.abs(np.asarray(adv))) / batch.action_mask_BxT.sum())
 
 

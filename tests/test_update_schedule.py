@@ -67,13 +67,10 @@ def reference_update(learner, batch, mode):
   params_sampling = sampling.SamplingParams(config.rollout.temperature,
                                             config.rollout.top_k,
                                             config.rollout.top_p)
-  arrays = helpers.batch_arrays(batch)
-  arrays['behavior_logprobs'] = batch.behavior_logprobs_BxT
-
   def logp_fn(flat_params, rows):
     policy = jax.tree.unflatten(treedef, flat_params)
     model = learner.policy_model(learner.state._replace(policy=policy))
-    micro = {k: v[rows] for k, v in arrays.items()}
+    micro = jax.tree.map(lambda x: x[rows], batch)
     return algorithms.policy_logprobs(model, micro, params_sampling)[0]
 
   def as_tree(flat):

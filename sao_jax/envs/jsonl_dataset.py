@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from sao_jax import errors
 from sao_jax.envs import answers
 from sao_jax.envs import arithmetic
 from sao_jax.envs import base
-from sao_jax import errors
 
 _log = logging.getLogger(__name__)
 

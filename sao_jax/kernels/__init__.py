@@ -12,8 +12,8 @@ Pallas kernel on TPU and the XLA reference elsewhere; 'pallas' off a TPU runs
 the kernel in interpret mode. With a mesh the kernel runs per batch shard.
 """
 
-from sao_jax.kernels.dis_loss import api as dis_loss_api
 from sao_jax.kernels import dispatch
+from sao_jax.kernels.dis_loss import api as dis_loss_api
 from sao_jax.kernels.gae import api as gae_api
 
 IMPLEMENTATIONS = dispatch.IMPLEMENTATIONS

@@ -18,12 +18,17 @@ optimiser states follow their parameters, batches split over `data x fsdp`,
 and the state is donated to each step so it is updated in place. Gradients
 accumulate over micro-batches (`config.optim.microbatches`) so large batches
 fit; a non-finite gradient skips its update (`optimizers`).
+
+The learner is functional: it holds the mesh, shardings and jitted steps, and
+the caller owns the `types.LearnerState`:
+
+  learner = Learner(config, policy, mesh)
+  state = learner.init_state()
+  state, metrics = learner.train_step(state, learner.device_batch(batch))
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,51 +36,16 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sao_jax import sharding
+from sao_jax import types
 from sao_jax.learner import optimizers
 from sao_jax.models import critic as critic_lib
 from sao_jax.models import sampling
 from sao_jax.models import transformer
 from sao_jax.rl import advantages
 from sao_jax.rl import algorithms
-from sao_jax import sharding
 
 _F32 = jnp.float32
-# Batch fields the step reads, with their rank: [B, T] or [B].
-BATCH_FIELDS = {
-    'tokens': 2, 'input_mask': 2, 'action_mask': 2, 'behavior_logprobs': 2,
-    'rewards': 2, 'reward': 1, 'num_action_tokens': 1, 'slot_ids': 1,
-}
-
-
-class LearnerState(NamedTuple):
-  """Everything a policy step reads and writes (a pytree, donated per step).
-
-  Attributes:
-    policy: the policy's parameters (nnx State).
-    critic: the critic's trainable parameters (MLP and head when attention is
-      frozen; all of them otherwise), or None without a critic.
-    critic_frozen: the critic's frozen parameters (possibly empty), or None.
-    actor_opt, critic_opt: optimiser states (critic_opt None without critic).
-    running_mean: what the advantage estimator carries between batches
-      (`algorithms.Estimator.init_state`: the running-mean baseline's reward
-      history), or None.
-    ref_policy: the frozen initial policy of the reference-model KL
-      (`policy_loss.ref_kl_coef` > 0), or None: one more copy of the policy's
-      parameters, no optimizer state.
-    step: batches trained so far: the policy version.
-    critic_step: critic updates so far (pretraining included).
-  """
-  policy: Any
-  critic: Any
-  critic_frozen: Any
-  actor_opt: Any
-  critic_opt: Any
-  running_mean: Any
-  ref_policy: Any
-  step: jax.Array
-  critic_step: jax.Array
-
-
 class Learner:
   """Owns the mesh, the shardings and the jitted steps of one training run."""
 
@@ -88,8 +58,8 @@ class Learner:
       policy: the initial policy (its weights become the critic's backbone).
       mesh: a mesh with the `sharding.MESH_AXES`.
       rules: logical-axis rules.
-      init_state: build the state now (False: only shapes, for AOT compiles
-        and restores).
+      init_state: keep the initial parameters for `init_state()` (False:
+        only shapes, for AOT compiles and restores).
     """
     self.config = config
     self.mesh = mesh
@@ -133,13 +103,8 @@ class Learner:
     self.abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         abstract, self.state_shardings)
-    self.state = None
-    if init_state:
-      # Wait for it: XLA:CPU can deadlock when a sharded program with
-      # collectives starts on some devices while another still runs on the
-      # rest (jax 0.10, fake CPU devices); the first step would be that one.
-      self.state = jax.block_until_ready(self._init(*self._params(
-          policy_params, critic_params, frozen_params)))
+    self._initial_params = ((policy_params, critic_params, frozen_params)
+                            if init_state else None)
     self.train_step = jax.jit(
         self._train_step,
         in_shardings=(self.state_shardings, self._batch_shardings()),
@@ -154,6 +119,21 @@ class Learner:
         out_shardings=self.state_shardings, donate_argnums=(0,))
 
   # -- state ------------------------------------------------------------------
+
+  def init_state(self) -> types.LearnerState:
+    """The initial state on the mesh; the caller owns it from here on.
+
+    Every step donates the state it is given and returns the next one:
+    `state, metrics = learner.train_step(state, batch)`.
+    """
+    if self._initial_params is None:
+      raise ValueError('Learner(init_state=False) has only the state\'s'
+                       ' shapes (abstract_state): restore a checkpoint')
+    # Wait for it: XLA:CPU can deadlock when a sharded program with
+    # collectives starts on some devices while another still runs on the
+    # rest (jax 0.10, fake CPU devices); the first step would be that one.
+    return jax.block_until_ready(self._init(*self._params(
+        *self._initial_params)))
 
   def _params(self, policy, critic, frozen, abstract=False):
     """The parameter states placed with their shardings."""
@@ -172,10 +152,10 @@ class Learner:
         out.append(jax.device_put(params, shardings))
     return out
 
-  def _init_state(self, policy, critic, frozen) -> LearnerState:
+  def _init_state(self, policy, critic, frozen) -> types.LearnerState:
     cfg = self.config
     running_mean = self.algorithm.estimator.init_state(cfg)
-    return LearnerState(
+    return types.LearnerState(
         policy=policy, critic=critic, critic_frozen=frozen,
         actor_opt=self._sharded_opt_state(self.actor_tx, policy, 'policy'),
         critic_opt=(None if critic is None else
@@ -186,7 +166,7 @@ class Learner:
                     else None),
         step=jnp.zeros((), jnp.int32), critic_step=jnp.zeros((), jnp.int32))
 
-  def _reset_critic_optimizer(self, state: LearnerState) -> LearnerState:
+  def _reset_critic_optimizer(self, state: types.LearnerState) -> types.LearnerState:
     """The critic's optimizer as new: its warm-up starts again from 0."""
     return state._replace(critic_opt=self._sharded_opt_state(
         self.critic_tx, state.critic, 'critic'))
@@ -202,49 +182,44 @@ class Learner:
         tx, jax.lax.with_sharding_constraint, tx.init(params),
         self._param_shardings[name])
 
-  def _batch_shardings(self):
-    return {name: self.batch_sharding if rank == 2 else self.row_sharding
-            for name, rank in BATCH_FIELDS.items()}
+  def abstract_batch(self, batch_size: int, length: int) -> types.TrainBatch:
+    """A global batch's shapes, dtypes and shardings (for AOT compiles)."""
+    return jax.tree.map(
+        lambda name, s: jax.ShapeDtypeStruct(
+            (batch_size, length) if types.field_rank(name) == 2
+            else (batch_size,), types.TRAIN_BATCH_DTYPES[name], sharding=s),
+        types.TrainBatch(**{n: n for n in types.TRAIN_BATCH_DTYPES}),
+        self._batch_shardings())
+
+  def _batch_shardings(self) -> types.TrainBatch:
+    return types.TrainBatch(**{
+        name: (self.batch_sharding if types.field_rank(name) == 2
+               else self.row_sharding)
+        for name in types.TrainBatch.__dataclass_fields__})
 
   # -- models ------------------------------------------------------------------
 
-  def policy_model(self, state=None) -> transformer.CausalLM:
-    """The policy with the current (or given) parameters."""
-    state = self.state if state is None else state
+  def policy_model(self, state: types.LearnerState) -> transformer.CausalLM:
+    """The policy pi_theta with the parameters of `state`."""
     return nnx.merge(self._policy_def, state.policy)
 
-  def critic_model(self, state=None) -> critic_lib.ValueModel:
-    state = self.state if state is None else state
+  def critic_model(self, state: types.LearnerState) -> critic_lib.ValueModel:
+    """The critic V_phi with the parameters of `state`."""
     return nnx.merge(self._critic_def, state.critic, state.critic_frozen)
-
-  @property
-  def version(self) -> int:
-    return int(self.state.step)
 
   # -- batches -----------------------------------------------------------------
 
-  def device_batch(self, batch, slot_ids=None) -> dict[str, jax.Array]:
-    """A `batching.Batch` (this process's rows) as sharded global arrays.
+  def device_batch(self, batch: types.TrainBatch) -> types.TrainBatch:
+    """This process's rows (numpy) as one batch of sharded global arrays.
 
     On several processes each contributes its rows; the global batch is their
     concatenation in process order.
     """
-    arrays = {
-        'tokens': batch.tokens_BxT, 'input_mask': batch.input_mask_BxT,
-        'action_mask': batch.action_mask_BxT,
-        'behavior_logprobs': batch.behavior_logprobs_BxT,
-        'rewards': batch.rewards_BxT, 'reward': batch.reward_B,
-        'num_action_tokens': batch.num_action_tokens_B,
-        'slot_ids': (np.zeros_like(batch.num_action_tokens_B)
-                     if slot_ids is None else np.asarray(slot_ids, np.int32)),
-    }
-    shardings = self._batch_shardings()
-    return {name: _global_array(value, shardings[name])
-            for name, value in arrays.items()}
+    return jax.tree.map(_global_array, batch, self._batch_shardings())
 
   # -- steps -------------------------------------------------------------------
 
-  def _critic_updates(self, state: LearnerState, batch, steps: int,
+  def _critic_updates(self, state: types.LearnerState, batch, steps: int,
                       values_before=None):
     """`steps` critic updates towards fixed returns; returns state, metrics.
 
@@ -256,11 +231,11 @@ class Learner:
         cfg.advantage.gamma == 1.0) and not cfg.critic.value_clip:
       # Monte-Carlo returns (SAO's lambda_critic = 1) do not depend on V:
       # skip a forward pass of the critic.
-      values_before = jnp.zeros(batch['rewards'].shape, _F32)
+      values_before = jnp.zeros(batch.rewards_BxT.shape, _F32)
     elif values_before is None:
       values_before = algorithms.critic_values(self.critic_model(state),
                                                batch)
-    lam_critic = jnp.full(batch['reward'].shape, cfg.critic.lam, _F32)
+    lam_critic = jnp.full(batch.reward_B.shape, cfg.critic.lam, _F32)
     _, returns = algorithms.gae(cfg, batch, values_before, lam_critic,
                                  self.mesh)
     returns = jax.lax.stop_gradient(returns)
@@ -268,14 +243,18 @@ class Learner:
 
     def loss_fn(trainable, micro):
       model = nnx.merge(self._critic_def, trainable, state.critic_frozen)
-      values = algorithms.critic_values(model, micro)
-      loss, metrics = algorithms.value_loss(cfg, values, micro['returns'],
-                                            micro, micro['values_before'])
-      weight = algorithms.microbatch_weight(algorithms.gae_mask(cfg, micro),
-                                            totals, cfg.policy_loss.aggregation)
+      values = algorithms.critic_values(model, micro['batch'])
+      loss, metrics = algorithms.value_loss(
+          cfg, values, micro['returns_BxT'], micro['batch'],
+          micro['values_before_BxT'])
+      weight = algorithms.microbatch_weight(
+          algorithms.gae_mask(cfg, micro['batch']), totals,
+          cfg.policy_loss.aggregation)
       return loss * weight, dict(metrics, loss=loss)
 
-    data = dict(batch, returns=returns, values_before=values_before)
+    # The batch and the constants of its updates, split together.
+    data = {'batch': batch, 'returns_BxT': returns,
+            'values_before_BxT': values_before}
 
     def one_update(_, carry):
       params, opt_state, _ = carry
@@ -284,7 +263,7 @@ class Learner:
                                    self._param_shardings['critic'])
       updates, opt_state = self.critic_tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+      metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
       return params, opt_state, metrics
 
     init_metrics = jax.eval_shape(
@@ -299,11 +278,11 @@ class Learner:
     metrics['critic/nonfinite_skips'] = optimizers.nonfinite_count(opt_state)
     return state, metrics
 
-  def _critic_only_step(self, state: LearnerState, batch):
+  def _critic_only_step(self, state: types.LearnerState, batch):
     """Value pretraining: one critic update, the policy untouched."""
     return self._critic_updates(state, batch, 1)
 
-  def _train_step(self, state: LearnerState, batch):
+  def _train_step(self, state: types.LearnerState, batch):
     cfg = self.config
     metrics = {}
     values = None  # the critic's, for an estimator that reads them
@@ -323,20 +302,20 @@ class Learner:
     adv, running_mean = self.algorithm.estimator.advantages(
         cfg, batch, values, state.running_mean, self.mesh)
     if cfg.advantage.normalize:
-      adv = advantages.normalize_advantages(adv, batch['action_mask'])
+      adv = advantages.normalize_advantages(adv, batch.action_mask_BxT)
     adv = jax.lax.stop_gradient(adv)
-    mask = batch['action_mask']
+    mask = batch.action_mask_BxT
     count = jnp.maximum(jnp.sum(mask), 1)
     metrics['advantage/mean'] = jnp.sum(jnp.where(mask, adv, 0.0)) / count
     metrics['advantage/abs_mean'] = jnp.sum(jnp.where(mask, jnp.abs(adv),
                                                       0.0)) / count
     # Everything the updates treat as constants, computed once per batch.
-    data = dict(batch, advantages=adv)
+    data = {'batch': batch, 'advantages_BxT': adv}
     if self.algorithm.needs_proximal_logprobs:
-      data['prox_logp'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
+      data['prox_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
           self.policy_model(state), batch, self.sampling)[0])
     if self.uses_ref_policy:
-      data['ref_logp'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
+      data['ref_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
           nnx.merge(self._policy_def, state.ref_policy), batch,
           self.sampling)[0])
     policy, actor_opt, policy_metrics = self._policy_updates(state, data)
@@ -346,7 +325,7 @@ class Learner:
                            running_mean=running_mean, step=state.step + 1)
     return state, metrics
 
-  def _policy_updates(self, state: LearnerState, data):
+  def _policy_updates(self, state: types.LearnerState, data):
     """E passes of M shuffled mini-batches, one optimizer step each (SAO §2).
 
     Mini-batch m of pass e holds rows `perm_e[m::M]` of the batch, where
@@ -363,16 +342,17 @@ class Learner:
     cfg = self.config
     epochs, minibatches = cfg.optim.policy_epochs, cfg.optim.policy_minibatches
     with_entropy = bool(cfg.policy_loss.entropy_coef)
-    num_rows = data['action_mask'].shape[0]
+    num_rows = data['batch'].action_mask_BxT.shape[0]
 
     def loss_fn(params, micro, totals):
       model = nnx.merge(self._policy_def, params)
-      logp, entropy = algorithms.policy_logprobs(model, micro, self.sampling,
+      batch = micro['batch']
+      logp, entropy = algorithms.policy_logprobs(model, batch, self.sampling,
                                                  with_entropy)
       loss, loss_metrics = algorithms.policy_loss(
-          cfg, logp, micro, micro['advantages'], micro.get('prox_logp'),
-          entropy, micro.get('ref_logp'), self.mesh)
-      weight = algorithms.microbatch_weight(micro['action_mask'], totals,
+          cfg, logp, batch, micro['advantages_BxT'], micro.get('prox_logp_BxT'),
+          entropy, micro.get('ref_logp_BxT'), self.mesh)
+      weight = algorithms.microbatch_weight(batch.action_mask_BxT, totals,
                                             cfg.policy_loss.aggregation)
       return loss * weight, dict(loss_metrics, loss=loss)
 
@@ -392,14 +372,14 @@ class Learner:
     def one_update(carry, update):
       params, opt_state = carry
       micro_data = minibatch(update)
-      totals = algorithms.batch_totals(micro_data['action_mask'])
+      totals = algorithms.batch_totals(micro_data['batch'].action_mask_BxT)
       grads, step_metrics = _accumulate(
           lambda p, m: loss_fn(p, m, totals), params, micro_data,
           cfg.optim.microbatches, self._param_shardings['policy'])
       updates, opt_state = self.actor_tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       return (params, opt_state), dict(step_metrics,
-                                       grad_norm=optax.global_norm(grads))
+                                       grad_norm=optax.tree.norm(grads))
 
     steps = epochs * minibatches
     (policy, actor_opt), per_step = jax.lax.scan(

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sao_jax.rollout import trajectory as trajectory_lib
+from sao_jax import types
 
 
 def host_metrics(device_metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -26,7 +26,7 @@ def prefixed(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
           if isinstance(v, (int, float, np.number))}
 
 
-def batch_metrics(trajectories: Sequence[trajectory_lib.Trajectory],
+def batch_metrics(trajectories: Sequence[types.Trajectory],
                   version: int) -> dict[str, float]:
   """What the batch says about the rollouts: reward, accuracy, staleness."""
   rewards = np.array([t.reward for t in trajectories], np.float64)

@@ -21,7 +21,7 @@ output at position t-1, so per-token quantities are shifted by one:
 critic's value of the state before token t (its output at t-1). Position 0 is
 never an action (it is the prompt's first token) and gets 0.
 
-All functions are pure and jit-able.
+All functions are pure and jit-able; `batch` is always a `types.TrainBatch`.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def policy_logprobs(policy, batch, params: sampling.SamplingParams,
   Returns:
     `(logp_BxT, entropy_BxT or None)`.
   """
-  logits_BxTxV = policy(batch['tokens'], input_mask=batch['input_mask'])
-  targets_BxT = jnp.roll(batch['tokens'], -1, axis=1)  # token t+1 at t
+  logits_BxTxV = policy(batch.tokens_BxT, input_mask=batch.input_mask_BxT)
+  targets_BxT = jnp.roll(batch.tokens_BxT, -1, axis=1)  # token t+1 at t
   logp_BxTxV = sampling.sampling_logprobs(logits_BxTxV, params)
   logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None],
                                  axis=-1)[..., 0]
@@ -72,16 +72,16 @@ def policy_logprobs(policy, batch, params: sampling.SamplingParams,
 
 def critic_values(critic, batch):
   """V_phi of the state before each token, `[B, T]` float32."""
-  return _shift_right(critic(batch['tokens'], input_mask=batch['input_mask']))
+  return _shift_right(critic(batch.tokens_BxT, input_mask=batch.input_mask_BxT))
 
 
 def policy_lambda(config, batch):
   """lambda_policy: length-adaptive per trajectory (SAO §1.4) or fixed."""
   adv = config.advantage
   if adv.adaptive_lambda:
-    return advantages.length_adaptive_lambda(batch['num_action_tokens'],
+    return advantages.length_adaptive_lambda(batch.num_action_tokens_B,
                                              adv.alpha)
-  return jnp.full(batch['num_action_tokens'].shape, adv.lam, _F32)
+  return jnp.full(batch.num_action_tokens_B.shape, adv.lam, _F32)
 
 
 def gae_mask(config, batch):
@@ -94,8 +94,8 @@ def gae_mask(config, batch):
   The policy loss stays on action tokens either way.
   """
   if config.advantage.skip_observations:
-    return batch['action_mask']
-  return advantages.response_mask(batch['input_mask'], batch['action_mask'])
+    return batch.action_mask_BxT
+  return advantages.response_mask(batch.input_mask_BxT, batch.action_mask_BxT)
 
 
 def gae(config, batch, values_BxT, lam, mesh=None):
@@ -106,7 +106,7 @@ def gae(config, batch, values_BxT, lam, mesh=None):
   `mesh`: the learner's mesh, over whose batch shards a Pallas kernel runs.
   """
   return gae_api.skip_observation_gae(
-      batch['rewards'], values_BxT, gae_mask(config, batch),
+      batch.rewards_BxT, values_BxT, gae_mask(config, batch),
       config.advantage.gamma, lam,
       implementation=config.kernels.implementation, mesh=mesh)
 
@@ -154,9 +154,9 @@ def _group_advantages(config, batch, values_BxT, state, mesh, *,
   """GRPO's (Dr.GRPO's) group-relative advantage on every action token."""
   del values_BxT, mesh
   adv_B = advantages.grpo_advantages(
-      batch['reward'].reshape(-1, config.group_size),
+      batch.reward_B.reshape(-1, config.group_size),
       std_normalize=std_normalize).reshape(-1)
-  return advantages.broadcast_to_actions(adv_B, batch['action_mask']), state
+  return advantages.broadcast_to_actions(adv_B, batch.action_mask_BxT), state
 
 
 def _running_mean_init(config):
@@ -172,10 +172,10 @@ def _running_mean_advantages(config, batch, values_BxT, state, mesh):
   """Reward minus the question's (or global) running mean (SAO §3)."""
   del values_BxT, mesh
   slots = (None if config.advantage.running_mean_scope == 'global'
-           else batch['slot_ids'])
-  adv_B, state = advantages.running_mean_advantages(state, batch['reward'],
+           else batch.slot_ids_B)
+  adv_B, state = advantages.running_mean_advantages(state, batch.reward_B,
                                                     slots)
-  return advantages.broadcast_to_actions(adv_B, batch['action_mask']), state
+  return advantages.broadcast_to_actions(adv_B, batch.action_mask_BxT), state
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -216,10 +216,10 @@ class OldPolicy(NamedTuple):
 OLD_POLICIES: dict[str, OldPolicy] = {
     'recompute': OldPolicy(True, lambda prox, batch, cfg: (prox, None)),
     'behavior': OldPolicy(False, lambda prox, batch, cfg: (
-        batch['behavior_logprobs'], None)),
+        batch.behavior_logprobs_BxT, None)),
     'decoupled': OldPolicy(True, lambda prox, batch, cfg: (
         prox, losses.truncated_behavior_weights(
-            prox, batch['behavior_logprobs'], batch['action_mask'],
+            prox, batch.behavior_logprobs_BxT, batch.action_mask_BxT,
             cfg.behavior_weight_cap))),
 }
 
@@ -242,7 +242,7 @@ def _dis_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   del prox_logp_BxT  # the ratio is against the engine's own mu
   cfg = config.policy_loss
   return dis_loss_api.dis_policy_loss(
-      logp_BxT, batch['behavior_logprobs'], adv_BxT, batch['action_mask'],
+      logp_BxT, batch.behavior_logprobs_BxT, adv_BxT, batch.action_mask_BxT,
       cfg.eps_low, cfg.eps_high, cfg.aggregation,
       implementation=config.kernels.implementation, mesh=mesh)
 
@@ -251,7 +251,7 @@ def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   """PPO's clipped loss against the configured old policy."""
   del mesh  # plain jnp: XLA partitions it
   cfg = config.policy_loss
-  mask = batch['action_mask']
+  mask = batch.action_mask_BxT
   old_BxT, weights_BxT = OLD_POLICIES[cfg.old_logprobs].select(
       prox_logp_BxT, batch, cfg)
   loss, metrics = losses.ppo_policy_loss(
@@ -350,13 +350,13 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
     `(loss, metrics)`.
   """
   cfg = config.policy_loss
-  mask = batch['action_mask']
+  mask = batch.action_mask_BxT
   loss, metrics = POLICY_LOSSES[cfg.name].loss(config, logp_BxT, batch,
                                                adv_BxT, prox_logp_BxT, mesh)
   if cfg.behavior_kl_coef:
     # k3 estimate of KL(mu || pi) on the sampled tokens, differentiable in pi:
     # a pull towards the rollout engine's policy, not the reference model.
-    log_ratio = jnp.where(mask, logp_BxT - batch['behavior_logprobs'], 0.0)
+    log_ratio = jnp.where(mask, logp_BxT - batch.behavior_logprobs_BxT, 0.0)
     k3 = jnp.exp(log_ratio) - 1.0 - log_ratio
     kl = losses.aggregate(k3, mask, cfg.aggregation)
     loss = loss + cfg.behavior_kl_coef * kl

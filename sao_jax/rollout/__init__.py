@@ -6,7 +6,6 @@ tasks themselves live in `sao_jax.envs`. The trainer uses `system` only.
   system.py            RolloutSystem: servers, workers, queue, weight pushes
   launch.py            starting servers: subprocesses or in this process
   server_supervisor.py restarting local server processes that died
-  trajectory.py        the Trajectory record workers produce
   trajectory_checks.py validation of trajectories before they are queued
   jetstream_compat.py  importing JetStream 0.2.2 safely on current JAX
   wire.py              how tokens, mu_t and versions travel per step

@@ -31,6 +31,7 @@ import grpc
 from jetstream.core.proto import jetstream_pb2 as pb
 
 from sao_jax.rollout import wire
+
 _log = logging.getLogger(__name__)
 
 # Codes after which the same request may succeed on another server.

@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax import config_lib
+from sao_jax import sharding
 from sao_jax.models import decoding
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
@@ -49,7 +50,6 @@ from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import wire
-from sao_jax import sharding
 
 engine_api = jetstream_compat.engine_api
 tokenizer_api = jetstream_compat.tokenizer_api

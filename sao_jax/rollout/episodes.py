@@ -13,10 +13,10 @@ import logging
 
 import numpy as np
 
+from sao_jax import types
 from sao_jax.envs import base
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.rollout import client as client_lib
-from sao_jax.rollout import trajectory as trajectory_lib
 
 _log = logging.getLogger(__name__)
 _PROBE_USER, _PROBE_ACTION, _PROBE_OBSERVATION = 'U\u2063', 'A\u2063', 'O\u2063'
@@ -84,7 +84,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
                       task: base.Task, tok: tokenizer_lib.Tokenizer,
                       chat: ChatFormat, limits: EpisodeLimits,
                       group_id: str | None = None
-                      ) -> list[trajectory_lib.Trajectory]:
+                      ) -> list[types.Trajectory]:
   """Plays one episode (or, with G samples per server slot, G of them).
 
   A server configured with `samples_per_slot = G` answers one prompt with G
@@ -99,7 +99,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
   tokens = [list(prompt)]
   masks = [[False] * len(prompt)]
   logprobs = [[0.0] * len(prompt)]
-  versions = [[trajectory_lib.NO_VERSION] * len(prompt)]
+  versions = [[types.NO_VERSION] * len(prompt)]
   rewards, infos, open_ = [0.0], [{}], [True]
   # The task each row's next turn is judged with (`StepResult.next_task`).
   judged = [task]
@@ -155,7 +155,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
       tokens[row] += observation
       masks[row] += [False] * len(observation)
       logprobs[row] += [0.0] * len(observation)
-      versions[row] += [trajectory_lib.NO_VERSION] * len(observation)
+      versions[row] += [types.NO_VERSION] * len(observation)
     turn += 1
     if len(tokens) > 1:
       break  # G samples per request: single-turn only (see the docstring)
@@ -165,7 +165,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
   # An episode that ended without the environment's verdict (turn, length or
   # context budget) keeps reward 0.
   return [
-      trajectory_lib.Trajectory(
+      types.Trajectory(
           prompt_id=task.id, group_id=group_id,
           tokens=np.asarray(tokens[row], np.int32),
           action_mask=np.asarray(masks[row], bool),

@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sao_jax import types
 from sao_jax.rollout import queue_books
-from sao_jax.rollout import trajectory
 from sao_jax.rollout import trajectory_checks
 
 # Lease and RolloutQueue are one unit split in two for the worker's API: the
@@ -79,7 +79,7 @@ class Lease:
     """Slots not yet put or cancelled."""
     return self._open
 
-  async def put(self, traj: trajectory.Trajectory) -> bool:
+  async def put(self, traj: types.Trajectory) -> bool:
     """Hands one finished trajectory to the queue (one slot).
 
     Blocks while the queue is at capacity (backpressure). A malformed
@@ -251,7 +251,7 @@ class RolloutQueue:
       books.counters['admission_wait_seconds'] += time.monotonic() - start
     return Lease(self, n, books.admit(n), group_id)
 
-  async def _put(self, lease: Lease, traj: trajectory.Trajectory) -> bool:
+  async def _put(self, lease: Lease, traj: types.Trajectory) -> bool:
     """Validates, waits for room, queues; see `Lease.put`."""
     self._bind()
     books = self._books
@@ -321,7 +321,7 @@ class RolloutQueue:
     self._call(self._books.set_rollout_version, int(version))
 
   async def get_batch(self, timeout: float | None = None
-                      ) -> list[trajectory.Trajectory]:
+                      ) -> list[types.Trajectory]:
     """Takes exactly batch_size trajectories, oldest first (FIFO).
 
     Whole groups only, each on consecutive rows. Trajectories too stale for
@@ -357,7 +357,7 @@ class RolloutQueue:
       books.counters['learner_wait_seconds'] += time.monotonic() - start
 
   def get_batch_blocking(self, timeout: float | None = None
-                         ) -> list[trajectory.Trajectory]:
+                         ) -> list[types.Trajectory]:
     """`get_batch` for the learner thread (not the loop's); same semantics.
 
     The timeout runs inside the loop, so a batch is either taken and returned

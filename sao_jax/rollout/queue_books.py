@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sao_jax.rollout import trajectory
+from sao_jax import types
 from sao_jax.rollout import trajectory_checks
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ _FLOAT_COUNTERS = (
 @dataclasses.dataclass
 class _Item:
   """A queued trajectory with what the queue decides on, computed once."""
-  traj: trajectory.Trajectory
+  traj: types.Trajectory
   oldest: int
   deadline: int  # the last learner version that may consume it
   length: int
@@ -187,7 +187,7 @@ class Books:
     self._lease_progress(lease)
     self._notify()
 
-  def accept(self, lease: queue_lib.Lease, traj: trajectory.Trajectory,
+  def accept(self, lease: queue_lib.Lease, traj: types.Trajectory,
               group) -> bool:
     self.counters['put'] += 1
     self.counters['accepted'] += 1
@@ -290,7 +290,7 @@ class Books:
     self._ready = kept
     self._notify()
 
-  def take(self, version: int) -> list[trajectory.Trajectory]:
+  def take(self, version: int) -> list[types.Trajectory]:
     batch = []
     while len(batch) < self.batch_size:
       for item in self._ready.popleft():

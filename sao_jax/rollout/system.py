@@ -33,12 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 from sao_jax import config_lib
+from sao_jax import types
 from sao_jax.rollout import batching
 from sao_jax.rollout import episodes
 from sao_jax.rollout import launch
 from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server_supervisor
-from sao_jax.rollout import trajectory
 from sao_jax.rollout import weight_sync
 from sao_jax.rollout import workers
 
@@ -162,7 +162,7 @@ class RolloutSystem:
   # ---------------------------------------------------------------- batches
 
   def next_batch(self, timeout_s: float
-                 ) -> tuple[list[trajectory.Trajectory], batching.Batch]:
+                 ) -> tuple[list[types.Trajectory], batching.Batch]:
     """The next batch: its trajectories and their padded [B, T] arrays.
 
     Waits in short polls (see `_poll`).

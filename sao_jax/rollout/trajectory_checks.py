@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from sao_jax.rollout import trajectory
+from sao_jax import types
 
 # Why a trajectory was rejected; the queue's `stats()` has one
 # `rejected/<reason>` each. The last three are the queue's own group checks.
@@ -95,7 +95,7 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
 def _reason(traj, vocab_size, max_length, newest_version, logprob_tolerance,
             max_abs_reward, required_info) -> str | None:
   """`rejection_reason`, which may raise on adversarial objects."""
-  if not isinstance(traj, trajectory.Trajectory):
+  if not isinstance(traj, types.Trajectory):
     return 'malformed'
   try:
     tokens = np.asarray(traj.tokens)

@@ -32,10 +32,10 @@ import numpy as np
 from absl import flags
 
 from sao_jax import config_lib
+from sao_jax import sharding
 from sao_jax.kernels import dispatch
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import pretrained
-from sao_jax import sharding
 from sao_jax.tools import tpu_aot
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -92,15 +92,7 @@ def compile_train_step(config, topology: str) -> Report:
   with dispatch.compile_target('tpu'):
     learner = learner_lib.Learner(config, policy, mesh, init_state=False)
     batch_size, length = config.batch_size, config.rollout.max_sequence_length
-    shardings = learner._batch_shardings()  # pylint: disable=protected-access
-    dtypes = {'tokens': jnp.int32, 'input_mask': jnp.bool_,
-              'action_mask': jnp.bool_, 'behavior_logprobs': jnp.float32,
-              'rewards': jnp.float32, 'reward': jnp.float32,
-              'num_action_tokens': jnp.int32, 'slot_ids': jnp.int32}
-    batch = {name: jax.ShapeDtypeStruct(
-        (batch_size, length) if rank == 2 else (batch_size,), dtypes[name],
-        sharding=shardings[name])
-             for name, rank in learner_lib.BATCH_FIELDS.items()}
+    batch = learner.abstract_batch(batch_size, length)
     start = time.perf_counter()
     lowered = learner.train_step.lower(learner.abstract_state, batch)
     try:

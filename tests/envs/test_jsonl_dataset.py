@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from sao_jax.envs import jsonl_dataset
 from sao_jax import errors
+from sao_jax.envs import jsonl_dataset
 
 _RECORDS = [
     {'question': 'What is 2 + 2?', 'answer': 4, 'id': 'q-a'},

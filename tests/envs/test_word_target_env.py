@@ -7,11 +7,11 @@ import time
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import evaluation
 from sao_jax.envs import calculator
 from sao_jax.envs import latency
 from sao_jax.envs import registry
 from sao_jax.envs import word_target
-from sao_jax import evaluation
 from sao_jax.models import tiny
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes

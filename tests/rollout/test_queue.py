@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
+from sao_jax import types
 from sao_jax.rollout import batching
 from sao_jax.rollout import queue as queue_lib
-from sao_jax.rollout import trajectory
 from sao_jax.rollout import trajectory_checks
 
 VOCAB = 50
@@ -35,9 +35,9 @@ def fake_traj(action_versions, *, prompt_len=2, reward=1.0, prompt_id='p',
   tokens = (np.arange(length, dtype=np.int32) * 7 + 3) % VOCAB
   mask = np.arange(length) >= prompt_len
   logprobs = np.where(mask, logprob, 0.0).astype(np.float32)
-  versions = np.full(length, trajectory.NO_VERSION, np.int32)
+  versions = np.full(length, types.NO_VERSION, np.int32)
   versions[prompt_len:] = action_versions
-  return trajectory.Trajectory(
+  return types.Trajectory(
       prompt_id=prompt_id, tokens=tokens, action_mask=mask,
       behavior_logprobs=logprobs, versions=versions, reward=reward,
       group_id=group_id, info={} if info is None else info)
@@ -378,7 +378,7 @@ def _bad(kind):
     good.behavior_logprobs[4] = 0.5
     return 'bad_logprobs', good
   if kind == 'action_without_version':
-    good.versions[2] = trajectory.NO_VERSION
+    good.versions[2] = types.NO_VERSION
     return 'missing_version', good
   if kind == 'float_tokens':
     good.tokens = good.tokens.astype(np.float32)
@@ -934,14 +934,14 @@ def test_state_dict_round_trip_counts_what_was_lost():
 
 def test_assemble_batch_places_reward_on_last_action_and_pads_right():
   # Row 0: prompt(2) act(2) obs(2) act(1); row 1: prompt(1) act(2).
-  first = trajectory.Trajectory(
+  first = types.Trajectory(
       prompt_id='p0', group_id='g',
       tokens=np.array([5, 6, 7, 8, 9, 10, 11], np.int32),
       action_mask=np.array([0, 0, 1, 1, 0, 0, 1], bool),
       behavior_logprobs=np.array([9, 9, -.1, -.2, 9, 9, -.3], np.float32),
       versions=np.array([-1, -1, 4, 4, 7, -1, 5], np.int32),
       reward=2.5)
-  second = trajectory.Trajectory(
+  second = types.Trajectory(
       prompt_id='p1', group_id=None,
       tokens=np.array([1, 2, 3], np.int32),
       action_mask=np.array([0, 1, 1], bool),
@@ -961,17 +961,13 @@ def test_assemble_batch_places_reward_on_last_action_and_pads_right():
       [0, 0, -.1, -.2, 0, 0, -.3, 0], [0, -1, -2, 0, 0, 0, 0, 0]])
   np.testing.assert_array_equal(batch.rewards_BxT, [
       [0, 0, 0, 0, 0, 0, 2.5, 0], [0, 0, -1, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(batch.versions_BxT, [
-      [-1, -1, 4, 4, -1, -1, 5, -1], [-1, 3, 3, -1, -1, -1, -1, -1]])
   np.testing.assert_array_equal(batch.reward_B, [2.5, -1.0])
-  np.testing.assert_array_equal(batch.oldest_version_B, [4, 3])
   np.testing.assert_array_equal(batch.num_action_tokens_B, [3, 2])
-  assert batch.prompt_ids == ['p0', 'p1']
-  assert batch.group_ids == ['g', None]
+  np.testing.assert_array_equal(batch.slot_ids_B, [0, 0])  # set by trainer
   for name, dtype in (('input_mask_BxT', bool), ('action_mask_BxT', bool),
                       ('behavior_logprobs_BxT', np.float32),
                       ('rewards_BxT', np.float32),
-                      ('versions_BxT', np.int32)):
+                      ('slot_ids_B', np.int32)):
     assert getattr(batch, name).dtype == dtype, name
 
 

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax.envs import base
 from sao_jax import errors
+from sao_jax.envs import base
 from sao_jax.models import sampling
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes

@@ -18,11 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sao_jax import sharding
+from sao_jax.kernels import dispatch
 from sao_jax.kernels.dis_loss import pallas_tpu
 from sao_jax.kernels.dis_loss import reference
-from sao_jax.kernels import dispatch
 from sao_jax.rl import tokens
-from sao_jax import sharding
 
 _F32 = jnp.float32
 P = jax.sharding.PartitionSpec

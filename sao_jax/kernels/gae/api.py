@@ -14,10 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sao_jax import sharding
 from sao_jax.kernels import dispatch
 from sao_jax.kernels.gae import pallas_tpu
 from sao_jax.kernels.gae import reference
-from sao_jax import sharding
 
 _F32 = jnp.float32
 P = jax.sharding.PartitionSpec
