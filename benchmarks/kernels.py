@@ -34,7 +34,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from sao_jax import kernels  # pylint: disable=g-import-not-at-top
-from sao_jax import tpu_aot  # pylint: disable=g-import-not-at-top
+from sao_jax.tools import tpu_aot  # pylint: disable=g-import-not-at-top
 
 HBM_BYTES_PER_SECOND = {'v5e': 819e9, 'v5p': 2765e9, 'h200': 4.8e12,
                         'v6e': 1640e9}

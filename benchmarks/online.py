@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import training_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from sao_jax import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.logs import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CONFIG = 'configs/tiny.py'
 BATCH_SIZE = 16

@@ -44,8 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from sao_jax import metrics_log  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.logs import metrics_log  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.logs import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 #: Metrics whose per-run means the reports carry (stability under staleness).
 STABILITY_KEYS = (
