@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: demo test clean
+.PHONY: demo test compare clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "sao_jax needs Python >= 3.11, found " + sys.version.split()[0])'
@@ -36,5 +36,16 @@ PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
+# benchmarks/learner.py --compare-tunix in its own venv: Tunix 0.1.7 brings
+# transformers / huggingface_hub versions the test extra does not pin.
+COMPARE_VENV := .venv-compare
+$(COMPARE_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(COMPARE_VENV)
+	$(COMPARE_VENV)/bin/python -m pip install --quiet -e '.[compare]'
+	touch $@
+
+compare: $(COMPARE_VENV)/.installed
+	$(COMPARE_VENV)/bin/python benchmarks/learner.py --compare-tunix $(ARGS)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(COMPARE_VENV) runs

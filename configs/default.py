@@ -43,6 +43,14 @@ def get_config(arg=None):
   c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
   c.model.param_dtype = 'float32'  # parameter (and AdamW state) dtype
   c.model.remat = False  # recompute layer activations in the backward pass
+  # The layer stack: scan (compile time independent of depth) | unroll (the
+  # scan unrolled: faster off TPU for shallow stacks) | auto (unroll off TPU
+  # up to 32 layers, scan on TPU; measured in BENCHMARKS.md, learner).
+  c.model.layer_loop = 'auto'
+  # Sequence positions per chunk of the learner's LM head: the [B, C, V]
+  # logits of one chunk at a time, recomputed in the backward pass, never the
+  # whole [B, T, V] (0: the whole sequence at once).
+  c.model.logits_chunk_size = 0
 
   # The task: a reasoning-gym dataset name, or arith_chain_sum |
   # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a

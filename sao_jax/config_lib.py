@@ -29,6 +29,7 @@ from sao_jax import errors
 from sao_jax import kernels
 from sao_jax import sharding
 from sao_jax.envs import registry
+from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.rl import algorithms
 from sao_jax.rl import losses
@@ -197,6 +198,8 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)
+  check.choice('model.layer_loop', model_config.LAYER_LOOPS)
+  check.non_negative_int('model.logits_chunk_size')
 
   batch = check.positive_int('batch_size')
   check.positive_int('optim.policy_epochs')
@@ -469,6 +472,24 @@ def _config_spec(argv: Sequence[str]) -> str | None:
 def _did_you_mean(key: str, known) -> str:
   close = difflib.get_close_matches(key, list(known), n=1)
   return f' (did you mean {close[0]!r}?)' if close else ''
+
+
+def set_from_text(config: ml_collections.ConfigDict, key: str,
+                  text: str) -> None:
+  """Sets dotted `key` from command-line `text`, typed like its present value.
+
+  For scripts that take `key=value` overrides outside absl flags (the
+  benchmarks); an unknown key raises ConfigError naming it.
+  """
+  node = config
+  *parents, leaf = key.split('.')
+  try:
+    for part in parents:
+      node = node[part]
+    default = node[leaf]
+  except (KeyError, AttributeError):
+    raise ConfigError(f'unknown config key {key!r}') from None
+  node[leaf] = _convert(key, text, default)
 
 
 def _convert(key: str, text: str, default):

@@ -88,7 +88,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
                                      is_chief=chief)
   model, tok = pretrained.from_pretrained(
       config.model.source, dtype=config.model.dtype,
-      param_dtype=config.model.param_dtype, remat=config.model.remat)
+      param_dtype=config.model.param_dtype, remat=config.model.remat,
+      layer_loop=config.model.layer_loop)
   env = registry.make(config.task)
   held_out = evaluation.held_out_tasks(env, config.task.held_out)
   ledger = task_ledger.TaskLedger(task_stream.TaskStream(

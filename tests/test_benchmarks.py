@@ -27,6 +27,27 @@ def test_kernels_benchmark_quick(tmp_path):
   assert '| gae |' in proc.stdout
 
 
+def test_learner_benchmark_quick(tmp_path):
+  out = tmp_path / 'learner.json'
+  proc = subprocess.run(
+      [sys.executable, 'benchmarks/learner.py', '--quick', f'--out={out}',
+       '--layer-loops', 'scan', 'unroll'],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  parts = {f'{p}{s}' for p in ('step_k1', 'step_k2', 'policy', 'critic')
+           for s in ('', '_unroll')}
+  assert set(result['median_seconds']) == parts
+  assert result['batch']['tokens'] == 4 * (16 + 48)
+  for name in parts:
+    assert len(result['seconds'][name]) == 2  # rounds
+    assert result['tokens_per_s'][name] > 0
+    assert result['compiled_memory_bytes'][name]['argument'] > 0
+    assert result['compile_s'][name] > 0
+  assert '| step_k2_unroll |' in proc.stdout
+
+
 def test_rollout_benchmark_quick(tmp_path):
   out = tmp_path / 'rollout.json'
   proc = subprocess.run(

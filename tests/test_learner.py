@@ -302,10 +302,15 @@ def advantages_from(learner, state, batch, config):
   return float(np.sum(np.abs(np.asarray(adv))) / batch.action_mask_BxT.sum())
 
 
-@pytest.mark.parametrize('order', ['pre_update', 'post_update'])
-def test_advantages_use_the_critic_from_before_its_updates(order):
+@pytest.mark.parametrize('order, microbatches', [
+    ('pre_update', 1), ('pre_update', 2), ('post_update', 1)])
+def test_advantages_use_the_critic_from_before_its_updates(order,
+                                                           microbatches):
+  # pre_update values come from the first critic update's own forward pass
+  # (re-assembled from its micro-batches): they must equal a separate pass.
   config = make_config(lr=1e-2, **{'mesh.data': 1,
-                                    'advantage.values_from': order})
+                                    'advantage.values_from': order,
+                                    'optim.microbatches': microbatches})
   learner = make_learner(config, jax.devices()[:1])
   batch = fake_batch(0)
   before = jax.tree.map(np.array, learner.state)

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
+from sao_jax import platforms
 
 IMPLEMENTATIONS = ('auto', 'xla', 'pallas')
-_target_platform: list[str] = []  # set while compiling ahead of time
-
-
-@contextlib.contextmanager
-def compile_target(platform: str):
-  """Choose kernels for `platform` rather than the local backend.
-
-  Ahead-of-time compiles for TPU topologies run on a CPU host; inside this
-  context 'auto' picks the Mosaic kernels (not interpret mode) for 'tpu'.
-  """
-  _target_platform.append(platform)
-  try:
-    yield
-  finally:
-    _target_platform.pop()
 
 
 def on_tpu() -> bool:
-  """Whether kernels are being built for a TPU (the backend, or an AOT target)."""
-  if _target_platform:
-    return _target_platform[-1] == 'tpu'
-  return jax.default_backend() == 'tpu'
+  """Whether kernels are being built for a TPU (the backend, or an AOT target).
+
+  Inside `platforms.compile_target('tpu')` (AOT compiles on a CPU host) 'auto'
+  picks the Mosaic kernels, not interpret mode.
+  """
+  return platforms.target() == 'tpu'
 
 
 def resolve(implementation: str) -> tuple[str, bool]:

@@ -70,6 +70,7 @@ class Learner:
     self.sampling = sampling.SamplingParams(config.rollout.temperature,
                                             config.rollout.top_k,
                                             config.rollout.top_p)
+    self.logits_chunk = config.model.logits_chunk_size
     self.actor_tx = optimizers.make(config.optim.actor)
     self.critic_tx = optimizers.make(config.optim.critic)
     self._policy_def, policy_params = nnx.split(policy, nnx.Param)
@@ -219,24 +220,27 @@ class Learner:
 
   # -- steps -------------------------------------------------------------------
 
-  def _critic_updates(self, state: types.LearnerState, batch, steps: int,
-                      values_before=None):
-    """`steps` critic updates towards fixed returns; returns state, metrics.
+  def _critic_updates(self, state: types.LearnerState, batch, steps: int):
+    """`steps` critic updates towards fixed returns.
 
-    `values_before`: the critic's values of the batch before the updates, if
-    the caller has them (they are the GAE bootstrap of the returns).
+    Returns:
+      `(state, metrics, values_before_BxT)`: the critic's values of the batch
+      before the updates. With Monte-Carlo returns (SAO's lambda_critic = 1,
+      gamma = 1, no value clip) they come from the first update's own forward
+      pass, so the pre-update values cost no pass of their own; otherwise
+      they are computed first, as the GAE bootstrap of the returns.
     """
     cfg = self.config
-    if values_before is None and cfg.critic.lam == 1.0 and (
-        cfg.advantage.gamma == 1.0) and not cfg.critic.value_clip:
-      # Monte-Carlo returns (SAO's lambda_critic = 1) do not depend on V:
-      # skip a forward pass of the critic.
-      values_before = jnp.zeros(batch.rewards_BxT.shape, _F32)
-    elif values_before is None:
-      values_before = algorithms.critic_values(self.critic_model(state),
-                                               batch)
+    monte_carlo = (cfg.critic.lam == 1.0 and cfg.advantage.gamma == 1.0
+                   and not cfg.critic.value_clip)
+    if monte_carlo:
+      # The returns do not depend on V; the loss never reads old values.
+      values_for_returns = jnp.zeros(batch.rewards_BxT.shape, _F32)
+    else:
+      values_for_returns = algorithms.critic_values(self.critic_model(state),
+                                                    batch)
     lam_critic = jnp.full(batch.reward_B.shape, cfg.critic.lam, _F32)
-    _, returns = algorithms.gae(cfg, batch, values_before, lam_critic,
+    _, returns = algorithms.gae(cfg, batch, values_for_returns, lam_critic,
                                  self.mesh)
     returns = jax.lax.stop_gradient(returns)
     totals = algorithms.batch_totals(algorithms.gae_mask(cfg, batch))
@@ -250,55 +254,53 @@ class Learner:
       weight = algorithms.microbatch_weight(
           algorithms.gae_mask(cfg, micro['batch']), totals,
           cfg.policy_loss.aggregation)
-      return loss * weight, dict(metrics, loss=loss)
+      return loss * weight, (dict(metrics, loss=loss),
+                             jax.lax.stop_gradient(values))
 
     # The batch and the constants of its updates, split together.
     data = {'batch': batch, 'returns_BxT': returns,
-            'values_before_BxT': values_before}
+            'values_before_BxT': values_for_returns}
 
-    def one_update(_, carry):
-      params, opt_state, _ = carry
-      grads, metrics = _accumulate(loss_fn, params, data,
-                                   cfg.optim.microbatches,
-                                   self._param_shardings['critic'])
+    def one_update(params, opt_state):
+      grads, (metrics, values) = _accumulate(
+          loss_fn, params, data, cfg.optim.microbatches,
+          self._param_shardings['critic'])
       updates, opt_state = self.critic_tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
-      return params, opt_state, metrics
+      return params, opt_state, metrics, values
 
-    init_metrics = jax.eval_shape(
-        lambda: one_update(0, (state.critic, state.critic_opt, None))[2])
-    init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                init_metrics)
+    params, opt_state, metrics, first_values = one_update(state.critic,
+                                                          state.critic_opt)
+
+    def later_update(_, carry):
+      return one_update(*carry[:2])[:3]
+
     params, opt_state, metrics = jax.lax.fori_loop(
-        0, steps, one_update, (state.critic, state.critic_opt, init_metrics))
+        1, steps, later_update, (params, opt_state, metrics))
     state = state._replace(critic=params, critic_opt=opt_state,
                            critic_step=state.critic_step + steps)
     metrics = {f'critic/{k}': v for k, v in metrics.items()}
     metrics['critic/nonfinite_skips'] = optimizers.nonfinite_count(opt_state)
-    return state, metrics
+    return state, metrics, first_values if monte_carlo else values_for_returns
 
   def _critic_only_step(self, state: types.LearnerState, batch):
     """Value pretraining: one critic update, the policy untouched."""
-    return self._critic_updates(state, batch, 1)
+    return self._critic_updates(state, batch, 1)[:2]
 
   def _train_step(self, state: types.LearnerState, batch):
     cfg = self.config
     metrics = {}
     values = None  # the critic's, for an estimator that reads them
     if self.uses_critic:
-      pre_update = cfg.advantage.values_from == 'pre_update'
-      # Only read when the advantages need them (or the returns bootstrap).
-      values_before = (algorithms.critic_values(self.critic_model(state), batch)
-                       if pre_update else None)
-      state, critic_metrics = self._critic_updates(
-          state, batch, cfg.critic.steps_per_policy_step, values_before)
+      state, critic_metrics, values = self._critic_updates(
+          state, batch, cfg.critic.steps_per_policy_step)
       metrics.update(critic_metrics)
       # Pre-update values by default (verl's order): after K updates on this
       # very batch the baseline has regressed onto each trajectory's own
       # return, and A = R - V shrinks towards 0.
-      values = (values_before if pre_update
-                else algorithms.critic_values(self.critic_model(state), batch))
+      if cfg.advantage.values_from == 'post_update':
+        values = algorithms.critic_values(self.critic_model(state), batch)
     adv, running_mean = self.algorithm.estimator.advantages(
         cfg, batch, values, state.running_mean, self.mesh)
     if cfg.advantage.normalize:
@@ -313,11 +315,12 @@ class Learner:
     data = {'batch': batch, 'advantages_BxT': adv}
     if self.algorithm.needs_proximal_logprobs:
       data['prox_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
-          self.policy_model(state), batch, self.sampling)[0])
+          self.policy_model(state), batch, self.sampling,
+          chunk_size=self.logits_chunk)[0])
     if self.uses_ref_policy:
       data['ref_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
           nnx.merge(self._policy_def, state.ref_policy), batch,
-          self.sampling)[0])
+          self.sampling, chunk_size=self.logits_chunk)[0])
     policy, actor_opt, policy_metrics = self._policy_updates(state, data)
     metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
     metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
@@ -347,14 +350,14 @@ class Learner:
     def loss_fn(params, micro, totals):
       model = nnx.merge(self._policy_def, params)
       batch = micro['batch']
-      logp, entropy = algorithms.policy_logprobs(model, batch, self.sampling,
-                                                 with_entropy)
+      logp, entropy = algorithms.policy_logprobs(
+          model, batch, self.sampling, with_entropy, self.logits_chunk)
       loss, loss_metrics = algorithms.policy_loss(
           cfg, logp, batch, micro['advantages_BxT'], micro.get('prox_logp_BxT'),
           entropy, micro.get('ref_logp_BxT'), self.mesh)
       weight = algorithms.microbatch_weight(batch.action_mask_BxT, totals,
                                             cfg.policy_loss.aggregation)
-      return loss * weight, dict(loss_metrics, loss=loss)
+      return loss * weight, (dict(loss_metrics, loss=loss), None)
 
     def minibatch(update):
       if minibatches == 1:
@@ -373,7 +376,7 @@ class Learner:
       params, opt_state = carry
       micro_data = minibatch(update)
       totals = algorithms.batch_totals(micro_data['batch'].action_mask_BxT)
-      grads, step_metrics = _accumulate(
+      grads, (step_metrics, _) = _accumulate(
           lambda p, m: loss_fn(p, m, totals), params, micro_data,
           cfg.optim.microbatches, self._param_shardings['policy'])
       updates, opt_state = self.actor_tx.update(grads, opt_state, params)
@@ -406,18 +409,23 @@ def minibatch_permutation(seed: int, version, epoch, num_rows: int):
 def _accumulate(loss_fn, params, data, microbatches: int, shardings):
   """Sum of gradients (and micro-batch-weighted metrics) over micro-batches.
 
-  `loss_fn(params, micro) -> (weighted_loss, metrics)` returns each
+  `loss_fn(params, micro) -> (weighted_loss, (metrics, rows))` returns each
   micro-batch's share of the full-batch loss, so the sum is the full-batch
   gradient; token-count metrics add up and ratios are averaged by share.
+  `rows` (a pytree of per-row arrays, or None) is what the forward pass
+  computed for the micro-batch's rows; it comes back in the batch's row order.
   Gradients are pinned to `shardings` (the parameters' FSDP layout): left to
   propagation, a loop-carried sum can come out replicated, and then every
   device holds a full copy of the model's gradients.
+
+  Returns:
+    `(grads, (metrics, rows))`.
   """
   pin = lambda tree: jax.lax.with_sharding_constraint(tree, shardings)
   grad_fn = jax.grad(loss_fn, has_aux=True)
   if microbatches == 1:
-    grads, metrics = grad_fn(params, data)
-    return pin(grads), metrics
+    grads, aux = grad_fn(params, data)
+    return pin(grads), aux
   # Strided, not contiguous: micro-batch m is rows m, m + M, m + 2M, ... so
   # that each takes the same number of rows from every batch shard (the rows
   # are sharded in contiguous blocks) and no micro-batch idles devices.
@@ -427,19 +435,22 @@ def _accumulate(loss_fn, params, data, microbatches: int, shardings):
                     + x.shape[1:]), 0, 1), data)
 
   def body(carry, micro):
-    grads, metrics = grad_fn(params, micro)
+    grads, (metrics, rows) = grad_fn(params, micro)
     summed = pin(jax.tree.map(jnp.add, carry[0], pin(grads)))
-    return (summed, jax.tree.map(jnp.add, carry[1], metrics)), None
+    return (summed, jax.tree.map(jnp.add, carry[1], metrics)), rows
 
   zeros = pin(jax.tree.map(jnp.zeros_like, params))
   first = jax.tree.map(lambda x: x[0], split)
   metric_zeros = jax.tree.map(
       lambda s: jnp.zeros(s.shape, s.dtype),
-      jax.eval_shape(lambda: grad_fn(params, first)[1]))
-  (grads, metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), split)
+      jax.eval_shape(lambda: grad_fn(params, first)[1][0]))
+  (grads, metrics), rows_M = jax.lax.scan(body, (zeros, metric_zeros), split)
   # Metrics of each micro-batch are its own means: report their average.
   metrics = jax.tree.map(lambda m: m / microbatches, metrics)
-  return grads, metrics
+  # Undo the strided split: [M, B/M, ...] -> [B, ...].
+  rows = jax.tree.map(
+      lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), rows_M)
+  return grads, (metrics, rows)
 
 
 def _global_array(local, target_sharding):

@@ -20,6 +20,11 @@ ARCHITECTURES = {
     'qwen2': 'Qwen2ForCausalLM',
 }
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+LAYER_LOOPS = ('auto', 'scan', 'unroll')
+# 'auto' unrolls stacks up to this depth off TPU (BENCHMARKS.md, learner:
+# measured on CPU); on TPU it scans, where compile time for deep models
+# matters more and XLA pipelines the scanned body well.
+AUTO_UNROLL_MAX_LAYERS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +72,12 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   remat: bool = False
+  layer_loop: str = 'auto'
 
   def __post_init__(self):
+    if self.layer_loop not in LAYER_LOOPS:
+      raise ValueError(f'layer_loop={self.layer_loop!r} is not one of'
+                       f' {LAYER_LOOPS}')
     if self.model_type not in ARCHITECTURES:
       raise ValueError(f'model_type {self.model_type!r} is not supported;'
                        f' expected one of {sorted(ARCHITECTURES)}')
@@ -89,6 +98,12 @@ class ModelConfig:
   @property
   def params_dtype(self):
     return DTYPES[self.param_dtype]
+
+  def unroll_layers(self, platform: str) -> bool:
+    """Whether the layer stack runs unrolled when built for `platform`."""
+    if self.layer_loop != 'auto':
+      return self.layer_loop == 'unroll'
+    return platform != 'tpu' and self.num_layers <= AUTO_UNROLL_MAX_LAYERS
 
   def replace(self, **changes) -> 'ModelConfig':
     return dataclasses.replace(self, **changes)

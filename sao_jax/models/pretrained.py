@@ -31,7 +31,8 @@ NAMED_MODELS = (SMOLLM2_135M_INSTRUCT, TINY_RANDOM)
 
 
 def from_pretrained(source: str, dtype: str = 'float32',
-                    param_dtype: str | None = None, remat: bool = False):
+                    param_dtype: str | None = None, remat: bool = False,
+                    layer_loop: str = 'auto'):
   """Loads a policy and its tokenizer, offline.
 
   Args:
@@ -42,6 +43,7 @@ def from_pretrained(source: str, dtype: str = 'float32',
     dtype: compute dtype, 'float32' or 'bfloat16'.
     param_dtype: parameter dtype; defaults to `dtype`.
     remat: rematerialise layer activations in the backward pass.
+    layer_loop: 'auto' | 'scan' | 'unroll' (`ModelConfig.layer_loop`).
 
   Returns:
     `(model, tokenizer)`: a `transformer.CausalLM` mapping int32 `[B, T]` to
@@ -51,9 +53,11 @@ def from_pretrained(source: str, dtype: str = 'float32',
     ValueError: for an unknown source, an unsupported architecture, or a
       missing or misshapen tensor (the message names it).
   """
+  overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
+                   layer_loop=layer_loop)
   if source == TINY_RANDOM:
     model, tok = tiny.make()
-    if (dtype, param_dtype or dtype, remat) == ('float32', 'float32', False):
+    if all(getattr(model.config, k) == v for k, v in overrides.items()):
       return model, tok
     hf_config = model_config.to_hf_config(model.config)
     tensors = hf_checkpoint.from_params(flat_params(model), model.config)
@@ -72,19 +76,20 @@ def from_pretrained(source: str, dtype: str = 'float32',
   else:
     raise ValueError(f'unknown model source {source!r}: expected a Hugging Face'
                      f' checkpoint directory or one of {NAMED_MODELS}')
-  cfg = model_config.from_hf_config(
-      hf_config, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+  cfg = model_config.from_hf_config(hf_config, **overrides)
   return build(cfg, hf_checkpoint.to_params(tensors, cfg)), tok
 
 
 def abstract_model(source: str, dtype: str = 'float32',
-                   param_dtype: str | None = None, remat: bool = False):
+                   param_dtype: str | None = None, remat: bool = False,
+                   layer_loop: str = 'auto'):
   """The policy's structure and shapes only (no weights, no memory).
 
   For ahead-of-time compiles: `source` may be `arch:<name>` (a named
   architecture), a checkpoint directory (its config.json), or a named model.
   """
-  overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+  overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
+                   layer_loop=layer_loop)
   if source.startswith('arch:'):
     cfg = architectures.get(source[len('arch:'):], **overrides)
   elif os.path.isdir(source):

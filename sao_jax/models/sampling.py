@@ -103,3 +103,56 @@ def token_logprobs(logits_BxTxV, targets_BxT, params: SamplingParams):
   logp_BxTxV = sampling_logprobs(logits_BxTxV, params)
   return jnp.take_along_axis(
       logp_BxTxV, jnp.asarray(targets_BxT, jnp.int32)[..., None], axis=-1)[..., 0]
+
+
+def chunked_token_logprobs(head_fn, hidden_BxTxd, targets_BxT,
+                           params: SamplingParams, chunk_size: int = 0,
+                           with_entropy: bool = False):
+  """`log p(target_t)` `[B, T]` from hidden states, C positions at a time.
+
+  `head_fn` maps hidden states `[B, C, d]` to logits `[B, C, V]` (the policy's
+  LM head). With `0 < chunk_size < T` the sequence is cut into chunks of
+  `chunk_size` positions: each chunk's logits are made, reduced to per-token
+  values and dropped, and the backward pass recomputes them chunk by chunk
+  (`jax.checkpoint`) instead of keeping `[B, T, V]` residuals. At SmolLM2's
+  vocabulary (49k) the whole logits of a 16 x 160 batch are 0.5 GB in
+  float32, and the softmax and its gradient each as much again. Values are
+  those of `token_logprobs` (the chunks only regroup the work).
+
+  Returns:
+    `(logp_BxT, entropy_BxT or None)`: the entropy of the sampling
+    distribution at each position when `with_entropy`.
+  """
+  array_checks.require_rank('chunked_token_logprobs', 'hidden', hidden_BxTxd,
+                            '[B, T, d]')
+  array_checks.require_shape('chunked_token_logprobs', 'targets', targets_BxT,
+                             hidden_BxTxd.shape[:2], '[B, T]')
+
+  def one_chunk(h_BxCxd, targets_BxC):
+    logp_BxCxV = sampling_logprobs(head_fn(h_BxCxd), params)
+    logp_BxC = jnp.take_along_axis(
+        logp_BxCxV, targets_BxC.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    if not with_entropy:
+      return logp_BxC, None
+    probs = jnp.exp(logp_BxCxV)
+    # Tokens truncated by top-k / top-p have p = 0 and log p = -inf: zero the
+    # log first (0 * -inf would be NaN in the value and in the gradient).
+    finite_logp = jnp.where(probs > 0, logp_BxCxV, 0.0)
+    return logp_BxC, -jnp.sum(probs * finite_logp, axis=-1)
+
+  rows, length = hidden_BxTxd.shape[:2]
+  if chunk_size <= 0 or chunk_size >= length:
+    return one_chunk(hidden_BxTxd, targets_BxT)
+  chunks = -(-length // chunk_size)
+  pad = chunks * chunk_size - length
+  # [B, T, ...] -> [N, B, C, ...]: lax.map runs over the leading axis.
+  split = lambda x: jnp.swapaxes(jnp.pad(
+      x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
+          (rows, chunks, chunk_size) + x.shape[2:]), 0, 1)
+  merge = lambda x_NxBxC: jnp.swapaxes(x_NxBxC, 0, 1).reshape(
+      rows, chunks * chunk_size)[:, :length]
+  logp_NxBxC, entropy_NxBxC = jax.lax.map(
+      jax.checkpoint(lambda xs: one_chunk(*xs)),
+      (split(hidden_BxTxd), split(targets_BxT)))
+  return merge(logp_NxBxC), (None if entropy_NxBxC is None
+                             else merge(entropy_NxBxC))

@@ -2,7 +2,9 @@
 
 Layers are stacked (one parameter array per kind with a leading `layers` axis)
 and run with `jax.lax.scan`: compile time does not grow with depth, which is
-what makes 8B-class models compile for TPU pods in minutes. Every parameter
+what makes 8B-class models compile for TPU pods in minutes. The scan can be
+unrolled (`ModelConfig.layer_loop`), which is faster for shallow stacks off
+TPU; parameters and values are the same either way. Every parameter
 carries `logical_axes` metadata (`embed`, `mlp`, `heads`, `kv_heads`, `vocab`,
 ...) that `sao_jax.sharding` maps to mesh axes by its logical-axis rules.
 
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax import array_checks
+from sao_jax import platforms
 from sao_jax.models import model_config
 
 _F32 = jnp.float32
@@ -205,7 +208,9 @@ class Decoder(nnx.Module):
     if cfg.remat:
       layer = jax.checkpoint(layer)
     cache_k, cache_v = cache if cache is not None else (None, None)
-    x, kv = jax.lax.scan(layer, x, (stacked, cache_k, cache_v))
+    unroll = cfg.unroll_layers(platforms.target())
+    x, kv = jax.lax.scan(layer, x, (stacked, cache_k, cache_v),
+                         unroll=cfg.num_layers if unroll else 1)
     return self.final_norm(x), kv
 
 
@@ -242,13 +247,21 @@ class CausalLM(nnx.Module):
         the real tokens of `input_mask`.
       input_mask: optional bool `[B, T]`, False at padding (left or right).
     """
+    return self.logits(self.hidden_states(tokens, positions, input_mask))
+
+  def hidden_states(self, tokens, positions=None, input_mask=None):
+    """The final-normed hidden states `[B, T, d]` the LM head reads.
+
+    For a caller that applies the head itself (`sampling.chunked_token_logprobs`
+    never holds the whole `[B, T, V]` logits). Arguments as `__call__`.
+    """
     array_checks.require_rank('CausalLM', 'tokens', tokens, '[B, T]')
     if input_mask is None:
       input_mask = jnp.ones(tokens.shape, bool)
     if positions is None:
       positions = default_positions(tokens, input_mask)
     hidden, _ = self.decoder(tokens, positions, causal_mask(input_mask))
-    return self.logits(hidden)
+    return hidden
 
   def logits(self, hidden_BxTxd):
     """LM head on final hidden states, float32 logits."""

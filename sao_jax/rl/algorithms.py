@@ -48,26 +48,25 @@ def _shift_right(x_BxT):
 
 
 def policy_logprobs(policy, batch, params: sampling.SamplingParams,
-                    with_entropy: bool = False):
+                    with_entropy: bool = False, chunk_size: int = 0):
   """log pi_theta(a_t | s_t) `[B, T]` under the rollout's sampling distribution.
 
   The learner recomputes exactly what the engine recorded as mu_t (same
   temperature, top-k, top-p), so their ratio is the importance weight.
+  `chunk_size` > 0 applies the LM head that many positions at a time
+  (`sampling.chunked_token_logprobs`: the `[B, T, V]` logits are never whole).
 
   Returns:
     `(logp_BxT, entropy_BxT or None)`.
   """
-  logits_BxTxV = policy(batch.tokens_BxT, input_mask=batch.input_mask_BxT)
+  hidden_BxTxd = policy.hidden_states(batch.tokens_BxT,
+                                      input_mask=batch.input_mask_BxT)
   targets_BxT = jnp.roll(batch.tokens_BxT, -1, axis=1)  # token t+1 at t
-  logp_BxTxV = sampling.sampling_logprobs(logits_BxTxV, params)
-  logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None],
-                                 axis=-1)[..., 0]
-  entropy = None
-  if with_entropy:
-    probs = jnp.exp(logp_BxTxV)
-    entropy = _shift_right(-jnp.sum(
-        jnp.where(probs > 0, probs * logp_BxTxV, 0.0), axis=-1))
-  return _shift_right(logp_BxT), entropy
+  logp_BxT, entropy_BxT = sampling.chunked_token_logprobs(
+      policy.logits, hidden_BxTxd, targets_BxT, params, chunk_size,
+      with_entropy)
+  return _shift_right(logp_BxT), (None if entropy_BxT is None
+                                  else _shift_right(entropy_BxT))
 
 
 def critic_values(critic, batch):

@@ -429,7 +429,8 @@ def build_engine(config, version: int = 0, model=None, tok=None,
   if model is None:
     model, tok = pretrained.from_pretrained(config.model.source,
                                             dtype=config.model.dtype,
-                                            param_dtype=config.model.param_dtype)
+                                            param_dtype=config.model.param_dtype,
+                                            layer_loop=config.model.layer_loop)
   return Engine(model, tok,
                 engine_config(config, tok, server_index=server_index,
                               restart=restart),

@@ -32,8 +32,8 @@ import numpy as np
 from absl import flags
 
 from sao_jax import config_lib
+from sao_jax import platforms
 from sao_jax import sharding
-from sao_jax.kernels import dispatch
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import pretrained
 from sao_jax.tools import tpu_aot
@@ -88,8 +88,9 @@ def compile_train_step(config, topology: str) -> Report:
   mesh = sharding.make_mesh(sizes, devices)
   policy = pretrained.abstract_model(
       config.model.source, dtype=config.model.dtype,
-      param_dtype=config.model.param_dtype, remat=config.model.remat)
-  with dispatch.compile_target('tpu'):
+      param_dtype=config.model.param_dtype, remat=config.model.remat,
+      layer_loop=config.model.layer_loop)
+  with platforms.compile_target('tpu'):
     learner = learner_lib.Learner(config, policy, mesh, init_state=False)
     batch_size, length = config.batch_size, config.rollout.max_sequence_length
     batch = learner.abstract_batch(batch_size, length)

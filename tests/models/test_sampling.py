@@ -89,3 +89,44 @@ def test_behaviour_logprobs_equal_learner_recomputation():
     recomputed = sampling.token_logprobs(logits[:, :-1], targets, params)
     np.testing.assert_allclose(np.asarray(recomputed)[0, len(prompt) - 1:],
                                out.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize('chunk_size', [0, 3, 4, 10])
+@pytest.mark.parametrize('temperature, top_k', [(1.0, 0), (0.7, 3)])
+def test_chunked_token_logprobs_match_numpy_with_gradients(
+    chunk_size, temperature, top_k):
+  # T = 10 positions: chunks of 3 pad the last chunk, 4 too, 10 is one chunk.
+  rng = np.random.default_rng(1)
+  hidden = rng.normal(size=(2, 10, 5)).astype(np.float32)
+  head = rng.normal(size=(5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, (2, 10))
+  params = sampling.SamplingParams(temperature, top_k, 1.0)
+  if top_k:  # a target outside the top-k has log-prob -inf: keep it inside
+    logits = hidden @ head / temperature
+    targets = np.argsort(-logits, axis=-1)[..., rng.integers(0, top_k)]
+
+  def loss(h, w):
+    logp, entropy = sampling.chunked_token_logprobs(
+        lambda x: x @ w, h, targets, params, chunk_size, with_entropy=True)
+    return jnp.sum(logp * jnp.arange(10)) + jnp.sum(entropy), (logp, entropy)
+
+  (_, (logp, entropy)), grads = jax.value_and_grad(
+      loss, argnums=(0, 1), has_aux=True)(hidden, head)
+  want_p = np.apply_along_axis(
+      lambda row: numpy_distribution(row, temperature, top_k, 1.0), -1,
+      hidden.astype(np.float64) @ head)
+  np.testing.assert_allclose(
+      logp, np.log(np.take_along_axis(want_p, targets[..., None], -1)[..., 0]),
+      atol=1e-5)
+  safe = np.where(want_p > 0, want_p, 1.0)
+  np.testing.assert_allclose(entropy, -np.sum(want_p * np.log(safe), -1),
+                             atol=1e-5)
+  # Gradients equal the unchunked computation's (chunk_size 0).
+  whole = jax.grad(lambda h, w: sampling.chunked_token_logprobs(
+      lambda x: x @ w, h, targets, params, 0, True)[0].sum(), argnums=(0, 1))
+  chunked = jax.grad(lambda h, w: sampling.chunked_token_logprobs(
+      lambda x: x @ w, h, targets, params, chunk_size, True)[0].sum(),
+                     argnums=(0, 1))
+  for a, b in zip(whole(hidden, head), chunked(hidden, head)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert all(np.all(np.isfinite(g)) for g in grads)

@@ -91,9 +91,10 @@ def reference_logits(reference, tokens, mask):
                      position_ids=torch.tensor(positions)).logits.numpy()
 
 
-def test_logits_match_transformers_with_padding(checkpoint):
+@pytest.mark.parametrize('layer_loop', ['scan', 'unroll'])
+def test_logits_match_transformers_with_padding(checkpoint, layer_loop):
   _, reference, directory = checkpoint
-  model = load(directory)
+  model = load(directory, layer_loop=layer_loop)
   tokens, mask = padded_batch()
   got = nnx.jit(lambda mdl, t, m: mdl(t, input_mask=m))(model, tokens, mask)
   assert got.dtype == jnp.float32 and got.shape == (3, 13, VOCAB)
@@ -116,9 +117,10 @@ def test_greedy_decoding_matches_transformers_generate(checkpoint):
     assert out.tokens == want
 
 
-def test_kv_cache_decode_equals_full_forward(checkpoint):
+@pytest.mark.parametrize('layer_loop', ['scan', 'unroll'])
+def test_kv_cache_decode_equals_full_forward(checkpoint, layer_loop):
   _, _, directory = checkpoint
-  model = load(directory)
+  model = load(directory, layer_loop=layer_loop)
   rng = np.random.default_rng(2)
   sequence = rng.integers(3, VOCAB, (1, 20))
   full = np.asarray(model(sequence))
@@ -160,6 +162,18 @@ def test_export_round_trip_and_transformers_reads_it(checkpoint, tmp_path):
   assert tok_again.encode('w5 w7') == tok.encode('w5 w7') == [5, 7]
   hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
   assert np.abs(reference_logits(hf, tokens, mask) - before)[mask].max() < 1e-4
+
+
+def test_auto_layer_loop_unrolls_shallow_stacks_off_tpu():
+  cfg = model_config.ModelConfig('llama', 11, 8, 16, 2, 2, 1, 4)
+  assert cfg.unroll_layers('cpu') and cfg.unroll_layers('gpu')
+  assert not cfg.unroll_layers('tpu')
+  deep = cfg.replace(num_layers=model_config.AUTO_UNROLL_MAX_LAYERS + 1)
+  assert not deep.unroll_layers('cpu')
+  assert not cfg.replace(layer_loop='scan').unroll_layers('cpu')
+  assert cfg.replace(layer_loop='unroll').unroll_layers('tpu')
+  with pytest.raises(ValueError, match='layer_loop'):
+    cfg.replace(layer_loop='loop')
 
 
 def test_every_parameter_has_logical_axes():
