@@ -86,10 +86,12 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   os.makedirs(workdir, exist_ok=True)
   logger = metrics_log.MetricsLogger(workdir, tensorboard=config.log.tensorboard,
                                      is_chief=chief)
+  memory = train_metrics.MemoryPhases()
   model, tok = pretrained.from_pretrained(
       config.model.source, dtype=config.model.dtype,
       param_dtype=config.model.param_dtype, remat=config.model.remat,
       layer_loop=config.model.layer_loop)
+  memory.mark('model_load')
   env = registry.make(config.task)
   held_out = evaluation.held_out_tasks(env, config.task.held_out)
   ledger = task_ledger.TaskLedger(task_stream.TaskStream(
@@ -112,6 +114,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     _log.info('resumed from step %d', int(state.step))
   else:
     state = learner.init_state()
+  memory.mark('learner_init')
   step = int(state.step)
   # Each start of a run samples from its own random streams (servers fold it
   # into their seed), so a resume does not replay the first run's samples.
@@ -130,14 +133,17 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       rollouts.load_state_dict(meta['queue'])
     env.on_policy_step(step)
     rollouts.start(state.policy, step)
+    memory.mark('rollouts_start')
     if config.eval.at_start and step == 0:
       before = _evaluate(learner, state, tok, env, held_out, config, logger, 0,
                          progress)
+      memory.mark('eval')
     elif meta.get('eval_before'):
       before = evaluation.EvalResult(**meta['eval_before'])
     if step == 0 and learner.uses_critic and not meta.get('pretrained'):
       state = _pretrain_critic(learner, state, rollouts, config, logger,
                                slots, ledger)
+      memory.mark('pretrain')
     # From here on a stop saves the step reached (polled, never mid-step).
     stop_flag.exit_immediately = False
     tracker = train_metrics.StepTimer()
@@ -158,6 +164,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         # Step n-1's metrics are read while step n runs (nanodo's order).
         records.flush()
         jax.block_until_ready(state.step)
+      memory.mark('train')
       task_indices = sorted({t.info['task_index'] for t in trajectories})
       ledger.mark_done(task_indices)
       step += 1
@@ -172,6 +179,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
             metrics.update(rollouts.push_weights(state.policy, step))
           except checkpointing.StopRequested:
             stopped = True  # the step is done: log and save it below
+        memory.mark('weight_push')
       metrics.update(train_metrics.batch_metrics(trajectories, step))
       metrics.update({'data/task_min': task_indices[0],
                       'data/task_max': task_indices[-1],
@@ -180,6 +188,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       for section, stats in rollouts.stats().items():
         metrics.update(train_metrics.prefixed(section, stats))
       metrics.update(tracker.metrics())
+      metrics.update(memory.metrics())
       records.add(step, device_metrics, metrics,
                   [step - 1 - t.oldest_version for t in trajectories])
       if config.eval.every and step % config.eval.every == 0 and (
@@ -187,9 +196,11 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         records.flush()
         _evaluate(learner, state, tok, env, held_out, config, logger, step,
                   progress)
+        memory.mark('eval')
       stopped = stop_flag.should_stop() or stopped
-      ckpt.save(step, state, _metadata(
-          config, ledger, slots, rollouts, before, restart), force=stopped)
+      if ckpt.save(step, state, _metadata(
+          config, ledger, slots, rollouts, before, restart), force=stopped):
+        memory.mark('checkpoint')
       if stopped:
         break
     records.flush()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -190,3 +191,26 @@ def test_async_speedup_benchmark_quick(tmp_path, compile_cache):
   assert runs['sync']['stability']['rollout/staleness_max'] == 0
   assert result['report']['sync']['runs'] == 1
   assert '| async |' in stdout
+
+
+def test_accelerator_check_dry_run_plans_every_step(tmp_path):
+  out = tmp_path / 'accelerator.json'
+  proc = subprocess.run(
+      [sys.executable, 'benchmarks/accelerator.py', '--dry-run',
+       f'--out={out}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report['dry_run'] and report['platform_found'] == 'cpu'
+  assert set(report['plan']) == {'kernels', 'learner_smollm2_135m',
+                                 'learner_llama_1b', 'rollout'}
+  assert sum(s['limit_s'] for s in report['plan'].values()) < 600
+  # Every planned command is a script of this repository that defines the
+  # flags it is given.
+  for step in report['plan'].values():
+    script, *args = step['command'].split()
+    source = (pathlib.Path(ROOT) / script).read_text()
+    for flag in (a for a in args if a.startswith('--')):
+      assert f"'{flag}'" in source, (script, flag)
+  assert 'steps' not in report  # nothing ran

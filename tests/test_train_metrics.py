@@ -1,12 +1,15 @@
-"""Host bookkeeping: question slots of the running mean, the pretraining stop."""
+"""Host bookkeeping: question slots of the running mean, the pretraining stop,
+the memory of the run's phases."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import numpy as np
 
+from sao_jax import process_memory
 from sao_jax.logs import train_metrics
 from sao_jax.rl import advantages
 
@@ -84,3 +87,27 @@ def test_plateau_stops_after_patience_and_ignores_nan():
   assert not plateau.update(float('nan'))
   assert plateau.update(0.29)  # 2 without a gain: stop
   assert plateau.best == 0.30
+
+
+def test_memory_phases_see_an_allocation_and_keep_the_peak():
+  phases = train_metrics.MemoryPhases()
+  phases.mark('before')
+  block = np.ones(300 * 2**20 // 8)  # 300 MB, touched
+  phases.mark('allocated')
+  del block
+  phases.mark('freed')
+  m = phases.metrics()
+  grown = m['memory/allocated_rss_gb'] - m['memory/before_rss_gb']
+  assert 0.25 < grown < 0.4
+  # The peak never falls, and it covers the allocation after it is freed
+  # (to the kernel's lag in syncing per-thread counters: a few pages).
+  slack = 4 / 1024
+  assert m['memory/freed_peak_rss_gb'] >= m['memory/allocated_rss_gb'] - slack
+  assert m['memory/peak_rss_gb'] >= m['memory/freed_peak_rss_gb'] - slack
+  assert set(phases.metrics()) == {'memory/peak_rss_gb'}  # marks consumed
+
+
+def test_process_memory_of_another_and_of_no_process():
+  rss, peak = process_memory.usage(os.getpid())
+  assert 0 < rss <= peak
+  assert all(math.isnan(v) for v in process_memory.usage(2**22 + 17))

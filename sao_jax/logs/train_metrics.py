@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sao_jax import process_memory
 from sao_jax import types
 
 
@@ -50,6 +51,30 @@ def batch_metrics(trajectories: Sequence[types.Trajectory],
   for reason, count in finish.items():
     metrics[f'rollout/finish_{reason}'] = count / len(trajectories)
   return metrics
+
+
+class MemoryPhases:
+  """The learner process's resident memory after each phase of the run.
+
+  `mark(phase)` records the resident set now (`memory/<phase>_rss_gb`) and
+  the peak so far (`memory/<phase>_peak_rss_gb`, VmHWM: it only grows, so
+  the phase after which it first reaches its final value is the one that set
+  it). `metrics()` returns what was marked since its last call, plus the
+  peak now, for the step's record.
+  """
+
+  def __init__(self):
+    self._marked: dict[str, float] = {}
+
+  def mark(self, phase: str) -> None:
+    rss, peak = process_memory.usage()
+    self._marked[f'memory/{phase}_rss_gb'] = rss
+    self._marked[f'memory/{phase}_peak_rss_gb'] = peak
+
+  def metrics(self) -> dict[str, float]:
+    out, self._marked = self._marked, {}
+    out['memory/peak_rss_gb'] = process_memory.usage()[1]
+    return out
 
 
 class StepTimer:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from sao_jax import process_memory
 from sao_jax.rollout import launch
 
 _log = logging.getLogger(__name__)
@@ -70,9 +71,15 @@ class Supervisor:
       return list(self.servers)
 
   def stats(self) -> dict[str, float]:
+    """Restart counters, and the local servers' resident memory (summed)."""
+    with self._lock:
+      pids = [s.process.pid for s in self.servers if s.alive()]
+    usage = [process_memory.usage(pid) for pid in pids]
     return {'server_deaths': float(self.deaths),
             'server_restarts': float(self.restarts),
-            'server_failed_restarts': float(self.failed_restarts)}
+            'server_failed_restarts': float(self.failed_restarts),
+            'server_rss_gb': sum(rss for rss, _ in usage),
+            'server_peak_rss_gb': sum(peak for _, peak in usage)}
 
   def _run(self) -> None:
     while not self._stop.wait(_POLL_S):

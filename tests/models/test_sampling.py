@@ -121,12 +121,17 @@ def test_chunked_token_logprobs_match_numpy_with_gradients(
   safe = np.where(want_p > 0, want_p, 1.0)
   np.testing.assert_allclose(entropy, -np.sum(want_p * np.log(safe), -1),
                              atol=1e-5)
-  # Gradients equal the unchunked computation's (chunk_size 0).
-  whole = jax.grad(lambda h, w: sampling.chunked_token_logprobs(
-      lambda x: x @ w, h, targets, params, 0, True)[0].sum(), argnums=(0, 1))
-  chunked = jax.grad(lambda h, w: sampling.chunked_token_logprobs(
-      lambda x: x @ w, h, targets, params, chunk_size, True)[0].sum(),
-                     argnums=(0, 1))
-  for a, b in zip(whole(hidden, head), chunked(hidden, head)):
+  # Without the entropy, log-probs take the logsumexp path where nothing is
+  # truncated: same values, and gradients equal the whole sequence's through
+  # the log-softmax (chunk_size 0, with entropy).
+  def logp_grad(chunk, entropy):
+    return jax.grad(lambda h, w: jnp.sum(sampling.chunked_token_logprobs(
+        lambda x: x @ w, h, targets, params, chunk, entropy)[0]
+                                         * jnp.arange(10)), argnums=(0, 1))
+  lean, _ = sampling.chunked_token_logprobs(lambda x: x @ head, hidden,
+                                            targets, params, chunk_size)
+  np.testing.assert_allclose(lean, logp, atol=1e-5)
+  for a, b in zip(logp_grad(0, True)(hidden, head),
+                  logp_grad(chunk_size, False)(hidden, head)):
     np.testing.assert_allclose(a, b, atol=1e-5)
   assert all(np.all(np.isfinite(g)) for g in grads)
