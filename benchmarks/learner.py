@@ -65,8 +65,9 @@ SHAPES = {
     'tiny_qwen2': (model_config.ModelConfig(
         'qwen2', 1000, 256, 1024, 2, 4, 4, 64, qkv_bias=True,
         rope_theta=1000000.0), 8, 64, 192, ()),
-    # The demo's model at the demo's batch (16 rows, T = 160).
-    'smollm2_135m': (architectures.get('smollm2-135m'), 16, 64, 96, ()),
+    # The demo's model at the demo's batch: 16 rows of T = 64
+    # (rollout.max_sequence_length; chat-templated chain sums and the reply).
+    'smollm2_135m': (architectures.get('smollm2-135m'), 16, 48, 16, ()),
     # A 1B model for accelerators (bf16 compute, remat), 8 x 1024 tokens.
     'llama_1b': (architectures.get('llama3.2-1b'), 8, 256, 768,
                  ('model.dtype=bfloat16', 'model.remat=True')),
@@ -236,13 +237,16 @@ def run(args):
     suffix = '' if loop == args.layer_loops[0] else f'_{loop}'
     overrides = (list(recipe) + list(args.override)
                  + [f'model.layer_loop={loop}'])
-    for k in args.critic_steps:
-      contenders[f'step_k{k}{suffix}'] = SaoStep(cfg, rows, k, 'sao', batch,
-                                                 overrides)
-    contenders[f'policy{suffix}'] = SaoStep(cfg, rows, 1, 'running_mean',
-                                            batch, overrides)
-    contenders[f'critic{suffix}'] = SaoStep(cfg, rows, 1, 'sao', batch,
-                                            overrides, part='critic')
+    if 'step' in args.parts:
+      for k in args.critic_steps:
+        contenders[f'step_k{k}{suffix}'] = SaoStep(cfg, rows, k, 'sao', batch,
+                                                   overrides)
+    if 'policy' in args.parts:
+      contenders[f'policy{suffix}'] = SaoStep(cfg, rows, 1, 'running_mean',
+                                              batch, overrides)
+    if 'critic' in args.parts:
+      contenders[f'critic{suffix}'] = SaoStep(cfg, rows, 1, 'sao', batch,
+                                              overrides, part='critic')
   tunix = None
   if args.compare_tunix:
     tunix = TunixSteps(cfg, batch, prompt)
@@ -284,6 +288,8 @@ def run(args):
     result['tunix_actor_plus_critic_s'] = tunix_s
     result['ratio_vs_tunix'] = {}
     for k in args.critic_steps:
+      if f'step_k{k}' not in seconds:
+        continue
       per_round = [t / s for t, s in zip(tunix_s, seconds[f'step_k{k}'])]
       result['ratio_vs_tunix'][f'k{k}'] = {
           'per_round': per_round, 'median': statistics.median(per_round)}
@@ -319,6 +325,10 @@ def main(argv=None):
   parser.add_argument('--layer-loops', nargs='+', default=['auto'],
                       choices=['auto', 'scan', 'unroll'],
                       help='model.layer_loop of each set of contenders')
+  parser.add_argument('--parts', nargs='+', default=['step', 'policy', 'critic'],
+                      choices=['step', 'policy', 'critic'],
+                      help='which contenders to build (each holds a whole'
+                      ' learner state: SmolLM2 takes ~3 GB apiece)')
   parser.add_argument('--steps', type=int, default=3,
                       help='timed calls per contender per round (median)')
   parser.add_argument('--rounds', type=int, default=5)
