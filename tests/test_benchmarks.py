@@ -11,12 +11,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _script(*argv, timeout=600):
+  """Runs a repository script on the CPU; returns the finished process."""
+  return subprocess.run(
+      [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+      timeout=timeout, env=dict(os.environ, JAX_PLATFORMS='cpu',
+                                PYTHONPATH=ROOT))
+
+
 def test_kernels_benchmark_quick(tmp_path):
   out = tmp_path / 'kernels.json'
-  proc = subprocess.run(
-      [sys.executable, 'benchmarks/kernels.py', '--quick', f'--out={out}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  proc = _script('benchmarks/kernels.py', '--quick', f'--out={out}')
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads(out.read_text())['results']
   assert {r['kernel'] for r in results} == {'gae', 'dis_fwd_bwd'}
@@ -30,11 +35,8 @@ def test_kernels_benchmark_quick(tmp_path):
 
 def test_learner_benchmark_quick(tmp_path):
   out = tmp_path / 'learner.json'
-  proc = subprocess.run(
-      [sys.executable, 'benchmarks/learner.py', '--quick', f'--out={out}',
-       '--layer-loops', 'scan', 'unroll'],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  proc = _script('benchmarks/learner.py', '--quick', f'--out={out}',
+                 '--layer-loops', 'scan', 'unroll')
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
   parts = {f'{p}{s}' for p in ('step_k1', 'step_k2', 'policy', 'critic')
@@ -51,10 +53,8 @@ def test_learner_benchmark_quick(tmp_path):
 
 def test_rollout_benchmark_quick(tmp_path):
   out = tmp_path / 'rollout.json'
-  proc = subprocess.run(
-      [sys.executable, 'benchmarks/rollout.py', '--quick', f'--out={out}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=900,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  proc = _script('benchmarks/rollout.py', '--quick', f'--out={out}',
+                 timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
   assert result['median_batched_tokens_per_s'] > 0
@@ -66,11 +66,7 @@ def test_rollout_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_server_stress_benchmark_quick(tmp_path):
   out = tmp_path / 'server_stress.json'
-  proc = subprocess.run(
-      [sys.executable, 'benchmarks/server_stress.py', '--quick',
-       f'--out={out}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  proc = _script('benchmarks/server_stress.py', '--quick', f'--out={out}')
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.loads(out.read_text())
   assert result['server_alive_at_end'], result
@@ -195,11 +191,8 @@ def test_async_speedup_benchmark_quick(tmp_path, compile_cache):
 
 def test_accelerator_check_dry_run_plans_every_step(tmp_path):
   out = tmp_path / 'accelerator.json'
-  proc = subprocess.run(
-      [sys.executable, 'benchmarks/accelerator.py', '--dry-run',
-       f'--out={out}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=120,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  proc = _script('benchmarks/accelerator.py', '--dry-run', f'--out={out}',
+                 timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report['dry_run'] and report['platform_found'] == 'cpu'
