@@ -261,23 +261,26 @@ class Learner:
     data = {'batch': batch, 'returns_BxT': returns,
             'values_before_BxT': values_for_returns}
 
-    def one_update(params, opt_state):
+    def one_update(i, carry):
+      params, opt_state, _, first_values = carry
       grads, (metrics, values) = _accumulate(
           loss_fn, params, data, cfg.optim.microbatches,
           self._param_shardings['critic'])
       updates, opt_state = self.critic_tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
-      return params, opt_state, metrics, values
+      # Update 0's forward pass saw the critic before any update. A select in
+      # one loop body, not update 0 peeled off: that would compile the whole
+      # update twice.
+      first_values = jnp.where(i == 0, values, first_values)
+      return params, opt_state, metrics, first_values
 
-    params, opt_state, metrics, first_values = one_update(state.critic,
-                                                          state.critic_opt)
-
-    def later_update(_, carry):
-      return one_update(*carry[:2])[:3]
-
-    params, opt_state, metrics = jax.lax.fori_loop(
-        1, steps, later_update, (params, opt_state, metrics))
+    carry = (state.critic, state.critic_opt, None,
+             jnp.zeros(batch.rewards_BxT.shape, _F32))
+    init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                jax.eval_shape(one_update, 0, carry)[2])
+    params, opt_state, metrics, first_values = jax.lax.fori_loop(
+        0, steps, one_update, carry[:2] + (init_metrics,) + carry[3:])
     state = state._replace(critic=params, critic_opt=opt_state,
                            critic_step=state.critic_step + steps)
     metrics = {f'critic/{k}': v for k, v in metrics.items()}
