@@ -49,7 +49,8 @@ def test_tiny_config_trains_and_reward_rises(tmp_path):
     assert key in last, key
   assert last['rollout/staleness_max'] <= 2  # config.rollout.max_staleness
   # Memory by phase: the learner after each step, the servers beside it.
-  assert 0.1 < last['memory/train_rss_gb'] <= last['memory/peak_rss_gb']
+  # (VmHWM lags VmRSS by a few pages: the kernel syncs them lazily.)
+  assert 0.1 < last['memory/train_rss_gb'] <= last['memory/peak_rss_gb'] + 0.01
   assert last['rollout/server_rss_gb'] > 0.1
   first = next(r for r in records if 'memory/learner_init_rss_gb' in r)
   assert first['step'] == 1 and 'memory/model_load_rss_gb' in first
