@@ -118,9 +118,8 @@ class SaoStep:
                overrides, part='train'):
     config = sao_config(batch_rows, critic_steps, algorithm, overrides)
     config_lib.validate(config)
-    policy = transformer.init_causal_lm(cfg.replace(
-        dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-        remat=config.model.remat, layer_loop=config.model.layer_loop), seed=0)
+    policy = transformer.init_causal_lm(
+        cfg.replace(**config_lib.model_overrides(config)), seed=0)
     mesh = learner_lib.mesh_from_config(config)
     self.learner = learner_lib.Learner(config, policy, mesh)
     self.state = self.learner.init_state()

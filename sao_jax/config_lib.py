@@ -474,6 +474,13 @@ def _did_you_mean(key: str, known) -> str:
   return f' (did you mean {close[0]!r}?)' if close else ''
 
 
+def model_overrides(config: ml_collections.ConfigDict) -> dict:
+  """The `ModelConfig` fields `config.model` sets (for `from_pretrained`)."""
+  m = config.model
+  return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+              layer_loop=m.layer_loop)
+
+
 def set_from_text(config: ml_collections.ConfigDict, key: str,
                   text: str) -> None:
   """Sets dotted `key` from command-line `text`, typed like its present value.

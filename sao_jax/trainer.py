@@ -88,9 +88,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
                                      is_chief=chief)
   memory = train_metrics.MemoryPhases()
   model, tok = pretrained.from_pretrained(
-      config.model.source, dtype=config.model.dtype,
-      param_dtype=config.model.param_dtype, remat=config.model.remat,
-      layer_loop=config.model.layer_loop)
+      config.model.source, **config_lib.model_overrides(config))
   memory.mark('model_load')
   env = registry.make(config.task)
   held_out = evaluation.held_out_tasks(env, config.task.held_out)

@@ -275,12 +275,14 @@ class Learner:
       first_values = jnp.where(i == 0, values, first_values)
       return params, opt_state, metrics, first_values
 
-    carry = (state.critic, state.critic_opt, None,
-             jnp.zeros(batch.rewards_BxT.shape, _F32))
+    zeros_BxT = jnp.zeros(batch.rewards_BxT.shape, _F32)
+    metric_shapes = jax.eval_shape(
+        one_update, 0, (state.critic, state.critic_opt, None, zeros_BxT))[2]
     init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                jax.eval_shape(one_update, 0, carry)[2])
+                                metric_shapes)
     params, opt_state, metrics, first_values = jax.lax.fori_loop(
-        0, steps, one_update, carry[:2] + (init_metrics,) + carry[3:])
+        0, steps, one_update,
+        (state.critic, state.critic_opt, init_metrics, zeros_BxT))
     state = state._replace(critic=params, critic_opt=opt_state,
                            critic_step=state.critic_step + steps)
     metrics = {f'critic/{k}': v for k, v in metrics.items()}

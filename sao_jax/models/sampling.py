@@ -140,11 +140,11 @@ def chunked_token_logprobs(head_fn, hidden_BxTxd, targets_BxT,
       target_BxC = jnp.take_along_axis(z_BxCxV, targets_BxC[..., None],
                                        axis=-1)[..., 0]
       return target_BxC - jax.nn.logsumexp(z_BxCxV, axis=-1), None
+    if not with_entropy:
+      return token_logprobs(logits_BxCxV, targets_BxC, params), None
     logp_BxCxV = sampling_logprobs(logits_BxCxV, params)
     logp_BxC = jnp.take_along_axis(logp_BxCxV, targets_BxC[..., None],
                                    axis=-1)[..., 0]
-    if not with_entropy:
-      return logp_BxC, None
     probs = jnp.exp(logp_BxCxV)
     # Tokens truncated by top-k / top-p have p = 0 and log p = -inf: zero the
     # log first (0 * -inf would be NaN in the value and in the gradient).

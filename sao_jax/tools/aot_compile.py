@@ -87,9 +87,7 @@ def compile_train_step(config, topology: str) -> Report:
   sizes = config_lib.validate(config, num_devices=len(devices))
   mesh = sharding.make_mesh(sizes, devices)
   policy = pretrained.abstract_model(
-      config.model.source, dtype=config.model.dtype,
-      param_dtype=config.model.param_dtype, remat=config.model.remat,
-      layer_loop=config.model.layer_loop)
+      config.model.source, **config_lib.model_overrides(config))
   with platforms.compile_target('tpu'):
     learner = learner_lib.Learner(config, policy, mesh, init_state=False)
     batch_size, length = config.batch_size, config.rollout.max_sequence_length
