@@ -42,15 +42,24 @@ def get_config(arg=None):
   c.model.source = 'smollm2-135m-instruct'
   c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
   c.model.param_dtype = 'float32'  # parameter (and AdamW state) dtype
-  c.model.remat = False  # recompute layer activations in the backward pass
+  # Recompute layer activations in the backward pass. The demo's three
+  # 30-layer backward passes (K = 2 critic updates, one policy update) would
+  # otherwise hold every layer's activations: with the two settings below it
+  # is what brings `make demo` under 6 GB (BENCHMARKS.md, the main job).
+  c.model.remat = True
   # The layer stack: scan (compile time independent of depth) | unroll (the
   # scan unrolled: faster off TPU for shallow stacks) | auto (unroll off TPU
-  # up to 32 layers, scan on TPU; measured in BENCHMARKS.md, learner).
-  c.model.layer_loop = 'auto'
+  # up to 32 layers, scan on TPU; measured in BENCHMARKS.md, learner). The
+  # demo scans: with remat an unrolled stack's temporaries grow ~4x faster
+  # per layer (SmolLM2 shape, 8 layers: 0.89 GB unrolled, 0.56 GB scanned),
+  # and each jitted function compiles in seconds instead of ~45 s.
+  c.model.layer_loop = 'scan'
   # Sequence positions per chunk of the learner's LM head: the [B, C, V]
   # logits of one chunk at a time, recomputed in the backward pass, never the
-  # whole [B, T, V] (0: the whole sequence at once).
-  c.model.logits_chunk_size = 0
+  # whole [B, T, V] (0: the whole sequence at once). SmolLM2's vocabulary of
+  # 49152 makes the whole logits of a 16 x 64 batch 0.2 GB per copy, and the
+  # backward pass held about four such buffers.
+  c.model.logits_chunk_size = 16
 
   # The task: a reasoning-gym dataset name, or arith_chain_sum |
   # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a

@@ -16,6 +16,10 @@ def get_config(arg=None):
   c = config_lib.load_module(config_lib.sibling(__file__, 'default.py')
                              ).get_config(arg)
   c.model.source = 'tiny-random'
+  # The demo's memory savings cost time and buy nothing at this size.
+  c.model.remat = False
+  c.model.layer_loop = 'auto'
+  c.model.logits_chunk_size = 0
   c.task.name = 'word_target'
   c.task.held_out = 16
   c.total_steps = 30

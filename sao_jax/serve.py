@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from sao_jax import config_lib
+from sao_jax import process_memory
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import server as server_lib
@@ -63,6 +64,7 @@ _PARENT_PID = flags.DEFINE_integer(
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  process_memory.release_freed_arrays()
   logging.basicConfig(level=logging.INFO,
                       format='%(asctime)s %(levelname)s %(name)s: %(message)s')
   if _PARENT_PID.value:

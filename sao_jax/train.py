@@ -23,7 +23,6 @@ from absl import flags
 from sao_jax import config_lib
 from sao_jax import evaluation
 from sao_jax import trainer
-from sao_jax.rollout import jetstream_compat
 
 _CONFIG = config_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
@@ -33,7 +32,6 @@ _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
 def main(argv: Sequence[str]) -> None:
   del argv
   logging.getLogger().setLevel(logging.WARNING)
-  jetstream_compat.quiet_orchestrator_logs()
   result = trainer.run(_CONFIG.value, _WORKDIR.value)
   if result.before is not None and result.after is not None:
     print(evaluation.format_report(result.before, result.after))

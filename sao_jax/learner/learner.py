@@ -125,16 +125,20 @@ class Learner:
     """The initial state on the mesh; the caller owns it from here on.
 
     Every step donates the state it is given and returns the next one:
-    `state, metrics = learner.train_step(state, batch)`.
+    `state, metrics = learner.train_step(state, batch)`. It can be made once:
+    the learner lets go of the initial parameters (the critic's copy of the
+    backbone among them) so that they do not stay resident beside the state.
     """
     if self._initial_params is None:
-      raise ValueError('Learner(init_state=False) has only the state\'s'
-                       ' shapes (abstract_state): restore a checkpoint')
+      raise ValueError('the learner has no initial parameters: it was built'
+                       ' with init_state=False (only the state\'s shapes,'
+                       ' abstract_state: restore a checkpoint), or'
+                       ' init_state() was already called')
+    initial, self._initial_params = self._initial_params, None
     # Wait for it: XLA:CPU can deadlock when a sharded program with
     # collectives starts on some devices while another still runs on the
     # rest (jax 0.10, fake CPU devices); the first step would be that one.
-    return jax.block_until_ready(self._init(*self._params(
-        *self._initial_params)))
+    return jax.block_until_ready(self._init(*self._params(*initial)))
 
   def _params(self, policy, critic, frozen, abstract=False):
     """The parameter states placed with their shardings."""

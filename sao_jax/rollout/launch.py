@@ -36,12 +36,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
-from sao_jax.rollout import engine as engine_lib
-from sao_jax.rollout import server as server_lib
 from sao_jax.rollout import weight_sync
+
+if TYPE_CHECKING:
+  from sao_jax.rollout import server as server_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
@@ -257,6 +259,13 @@ def start_in_process(config, *, secret: str, devices=None,
       file, with `serve_in_process`), and this user can read every path the
       server could.
   """
+  # Imported here, not at the top: JetStream's orchestrator imports
+  # TensorFlow (through seqio), ~0.5 GiB of resident memory that a learner
+  # whose servers are other processes never needs.
+  # pylint: disable=g-import-not-at-top
+  from sao_jax.rollout import engine as engine_lib
+  from sao_jax.rollout import server as server_lib
+  # pylint: enable=g-import-not-at-top
   engine = engine_lib.build_engine(
       config, devices=devices or jax.local_devices()[:1],
       server_index=server_index, restart=restart)
