@@ -59,12 +59,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (model shape, batch rows B, prompt tokens, action tokens, config
 # overrides of the shape's recipe, applied before --override's).
+# The Tunix comparison keeps every activation and the whole logits, as Tunix
+# does (configs/default.py trades time for memory for the demo).
+_AS_TUNIX = ('model.remat=False', 'model.logits_chunk_size=0')
 SHAPES = {
     # The shape of the Tunix comparison: 2 layers, d = 256, F = 1024, 4 heads
     # of 64, vocab 1000, untied head, f32; 8 x (64 prompt + 192 action).
     'tiny_qwen2': (model_config.ModelConfig(
         'qwen2', 1000, 256, 1024, 2, 4, 4, 64, qkv_bias=True,
-        rope_theta=1000000.0), 8, 64, 192, ()),
+        rope_theta=1000000.0), 8, 64, 192, _AS_TUNIX),
     # The demo's model at the demo's batch: 16 rows of T = 64
     # (rollout.max_sequence_length; chat-templated chain sums and the reply).
     'smollm2_135m': (architectures.get('smollm2-135m'), 16, 48, 16, ()),
@@ -73,7 +76,7 @@ SHAPES = {
                  ('model.dtype=bfloat16', 'model.remat=True')),
 }
 QUICK = (model_config.ModelConfig('qwen2', 128, 64, 128, 2, 4, 4, 16,
-                                  qkv_bias=True), 4, 16, 48, ())
+                                  qkv_bias=True), 4, 16, 48, _AS_TUNIX)
 
 
 def sao_config(batch_size: int, critic_steps: int, algorithm: str = 'sao',
