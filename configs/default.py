@@ -274,6 +274,22 @@ def get_config(arg=None):
   c.rollout.max_new_tokens = 12  # per model turn
   c.rollout.max_sequence_length = 64  # T of a batch: prompt+actions+observations
 
+  # Sequence packing: a batch's trajectories laid back to back in rows of
+  # T = rollout.max_sequence_length by first-fit decreasing, each a segment
+  # with positions from 0 that attention, GAE and the per-trajectory loss
+  # mean never cross. Agent trajectories vary by an order of magnitude in
+  # length, so one per row is mostly padding. Rows are fixed (packed_rows),
+  # so the step compiles once; a batch that does not fit them is packed into
+  # batch_size rows instead (one more compile, nothing dropped).
+  # auto = on for multi-turn tasks (calculator, word_target with turns > 1,
+  # humaneval with humaneval_max_turns > 1), off for single-turn ones:
+  # measured in BENCHMARKS.md, packing.
+  c.batching = ml_collections.ConfigDict()
+  c.batching.pack_sequences = 'auto'  # auto | on | off
+  # R, rows a packed batch fills; 0: batch_size / 2 (rounded up to whole
+  # mini- and micro-batches on every data-parallel shard).
+  c.batching.packed_rows = 0
+
   # Evaluation on the held-out set (greedy decoding, extracted answers).
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 11  # also every N policy steps; 0: at the start and end only
