@@ -284,7 +284,7 @@ def get_config(arg=None):
   # auto = on for multi-turn tasks (calculator, word_target with turns > 1,
   # humaneval with humaneval_max_turns > 1) on one process, off for
   # single-turn ones. Measured (BENCHMARKS.md, packing): calculator-like
-  # lengths, 16 x T = 704: padding 74% -> 30%, learner step 2.85x the real
+  # lengths, 16 x T = 704: padding 74% -> 30%, learner step 2.94x the real
   # tokens/s; the demo's chain sums (55 of 64 tokens) cannot share a row.
   c.batching = ml_collections.ConfigDict()
   c.batching.pack_sequences = 'auto'  # auto | on | off (auto: multi-turn)

@@ -342,7 +342,7 @@ def default_packed_rows(batch_size: int, parts: int = 1) -> int:
 
   Measured (BENCHMARKS.md, packing): calculator-like batches of 16 needed at
   most 6 rows of first-fit decreasing in 2000 samples (mean fill 26% of T);
-  6 rows gave 2.85x the one-per-row learner step, 8 rows 2.10x. A batch
+  6 rows gave 2.94x the one-per-row learner step, 8 rows 2.20x. A batch
   that overflows costs no more than one per row (it takes N rows).
   """
   rows = -(-3 * batch_size // 8)
