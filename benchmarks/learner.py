@@ -109,9 +109,15 @@ def random_batch(vocab: int, rows: int, prompt: int, action: int,
       behavior_logprobs_BxT=np.where(
           action_mask, -np.log(vocab) + rng.normal(0, 0.05, (rows, length)),
           0.0).astype(np.float32),
-      rewards_BxT=rewards_BxT, reward_B=reward_B,
-      num_action_tokens_B=np.full(rows, action, np.int32),
-      slot_ids_B=np.zeros(rows, np.int32))
+      rewards_BxT=rewards_BxT,
+      positions_BxT=np.broadcast_to(np.arange(length, dtype=np.int32),
+                                    (rows, length)).copy(),
+      segment_ids_BxT=np.broadcast_to(
+          np.arange(1, rows + 1, dtype=np.int32)[:, None],
+          (rows, length)).copy(),
+      reward_N=reward_B,
+      num_action_tokens_N=np.full(rows, action, np.int32),
+      slot_ids_N=np.zeros(rows, np.int32))
 
 
 class SaoStep:
@@ -189,7 +195,7 @@ class TunixSteps:
         ref_per_token_logps=None,
         old_per_token_logps=jnp.asarray(
             np.asarray(batch.behavior_logprobs_BxT)[:, prompt:]),
-        returns=jnp.asarray(np.repeat(np.asarray(batch.reward_B)[:, None],
+        returns=jnp.asarray(np.repeat(np.asarray(batch.reward_N)[:, None],
                                       completion, 1)),
         old_values=jnp.zeros((rows, completion), jnp.float32))
     # pad/eos outside the random tokens' range (3..V): no early EOS.

@@ -283,6 +283,25 @@ def get_config(arg=None):
   c.rollout.max_new_tokens = 12  # per model turn
   c.rollout.max_sequence_length = 64  # T of a batch: prompt+actions+observations
 
+  # Sequence packing: a batch's trajectories laid back to back in rows of
+  # T = rollout.max_sequence_length by first-fit decreasing, each a segment
+  # with positions from 0 that attention, GAE and the per-trajectory loss
+  # mean never cross. Agent trajectories vary by an order of magnitude in
+  # length, so one per row is mostly padding. Rows are fixed (packed_rows),
+  # so the step compiles once; a batch that does not fit them is packed into
+  # batch_size rows instead (one more compile, nothing dropped).
+  # auto = on for multi-turn tasks (calculator, word_target with turns > 1,
+  # humaneval with humaneval_max_turns > 1) on one process, off for
+  # single-turn ones. Measured (BENCHMARKS.md, packing): calculator-like
+  # lengths, 16 x T = 704: padding 74% -> 30%, learner step 2.94x the real
+  # tokens/s; the demo's chain sums (55 of 64 tokens) cannot share a row.
+  c.batching = ml_collections.ConfigDict()
+  c.batching.pack_sequences = 'auto'  # auto | on | off (auto: multi-turn)
+  # R, rows a packed batch fills; 0: 3/8 of batch_size (6 of 16: the
+  # calculator batches measured never needed more), rounded up to whole
+  # mini- and micro-batches on every data-parallel shard.
+  c.batching.packed_rows = 0
+
   # Evaluation on the held-out set (greedy decoding, extracted answers).
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 11  # also every N policy steps; 0: at the start and end only

@@ -36,6 +36,7 @@ from sao_jax.logs import progress as progress_lib
 from sao_jax.logs import train_metrics
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
+from sao_jax.rollout import batching
 from sao_jax.rollout import system as rollout_system
 
 _log = logging.getLogger(__name__)
@@ -168,8 +169,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         # donates: in the demo the step after a save, overlapping its write,
         # peaked 2.8 GiB higher. The write overlapped the wait for the batch.
         ckpt.wait()
-        batch = batch.replace(slot_ids_B=slots.batch_ids(
-            batch.tokens_BxT, batch.action_mask_BxT))
+        batch = batch.replace(
+            slot_ids_N=slots.trajectory_ids(trajectories))
         state, device_metrics = learner.train_step(
             state, learner.device_batch(batch))
         # Step n-1's metrics are read while step n runs (nanodo's order).
@@ -192,6 +193,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
             stopped = True  # the step is done: log and save it below
         memory.mark('weight_push')
       metrics.update(train_metrics.batch_metrics(trajectories, step))
+      metrics['batch/rows'] = batch.tokens_BxT.shape[0]
+      metrics['batch/padding_fraction'] = batching.padding_fraction(batch)
       metrics.update({'data/task_min': task_indices[0],
                       'data/task_max': task_indices[-1],
                       'data/task_sum': sum(task_indices),
@@ -334,8 +337,7 @@ def _pretrain_critic(learner, state, rollouts, config, logger, slots, ledger):
   for i in range(cfg.pretrain_steps):
     trajectories, batch = rollouts.next_batch(
         config.rollout.get_batch_timeout_s)
-    batch = batch.replace(slot_ids_B=slots.batch_ids(batch.tokens_BxT,
-                                                     batch.action_mask_BxT))
+    batch = batch.replace(slot_ids_N=slots.trajectory_ids(trajectories))
     state, m = learner.critic_step(state, learner.device_batch(batch))
     # The policy does not move: keep the queue's staleness clock at 0.
     rollouts.set_learner_version(0)

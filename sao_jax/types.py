@@ -2,7 +2,8 @@
 
   Trajectory   one finished rollout, as workers hand it to the queue (host,
                numpy, variable length L)
-  TrainBatch   a batch of trajectories padded to [B, T]: the learner's input,
+  TrainBatch   a batch of trajectories in fixed-shape rows [B, T] (one per
+               row, or packed several to a row): the learner's input,
                numpy on the host and jax arrays inside `jit` (a pytree)
   LearnerState everything a learner step reads and writes (a pytree)
 
@@ -72,45 +73,74 @@ class Trajectory:
 
 @chex.dataclass(frozen=True)
 class TrainBatch:
-  """Trajectories as fixed-shape arrays, right-padded to T (a pytree).
+  """Trajectories as fixed-shape arrays: R rows of T tokens (a pytree).
 
   Built on the host by `rollout.batching.assemble_batch` (numpy), placed on
   the mesh by `Learner.device_batch`, and read as is inside the jitted step.
-  Field names end in their layout: `_BxT` per token, `_B` per row.
+  Field names end in their layout: `_BxT` per token of a row, `_N` per
+  trajectory (N = the batch's trajectories, `config.batch_size`, in the
+  queue's order: GRPO groups are contiguous on it).
+
+  A row holds one trajectory (unpacked: R = N) or several back to back
+  (packed, `config.batching`): a segment of a row is one trajectory, with its
+  own positions from 0, attending only to itself. The unpacked batch is the
+  special case of one segment per row, so the math has one path.
 
   Attributes:
-    tokens_BxT: int32, pad id past each row's end.
+    tokens_BxT: int32, pad id past each segment's end.
     input_mask_BxT: bool, True on real tokens.
     action_mask_BxT: bool, True on tokens the policy generated.
     behavior_logprobs_BxT: float32 mu_t on actions, 0 elsewhere.
-    rewards_BxT: float32, the outcome reward on each row's last action token
-      and 0 elsewhere (what skip-observation GAE reads).
-    reward_B: float32 outcome rewards R (GRPO and running-mean baselines).
-    num_action_tokens_B: int32 (the length-adaptive lambda's l).
-    slot_ids_B: int32 running-mean slot of each row's prompt (0 when unused).
+    rewards_BxT: float32, the outcome reward on each segment's last action
+      token and 0 elsewhere (what skip-observation GAE reads).
+    positions_BxT: int32 RoPE positions, counted from 0 in each segment (0 on
+      padding).
+    segment_ids_BxT: int32, 0 on padding, `1 + n` on the tokens of
+      trajectory n (its index on the `_N` axis): attention, GAE and the
+      per-trajectory aggregation never cross a change of id, and a token's
+      `_N` entries are `x_N[segment_ids_BxT - 1]`.
+    reward_N: float32 outcome rewards R (GRPO and running-mean baselines).
+    num_action_tokens_N: int32 (the length-adaptive lambda's l).
+    slot_ids_N: int32 running-mean slot of each trajectory's prompt (0 when
+      unused).
   """
   tokens_BxT: Any
   input_mask_BxT: Any
   action_mask_BxT: Any
   behavior_logprobs_BxT: Any
   rewards_BxT: Any
-  reward_B: Any
-  num_action_tokens_B: Any
-  slot_ids_B: Any
+  positions_BxT: Any
+  segment_ids_BxT: Any
+  reward_N: Any
+  num_action_tokens_N: Any
+  slot_ids_N: Any
 
 
 # The dtype of each `TrainBatch` field (`rollout.batching` builds them so).
 TRAIN_BATCH_DTYPES = {
     'tokens_BxT': np.int32, 'input_mask_BxT': np.bool_,
     'action_mask_BxT': np.bool_, 'behavior_logprobs_BxT': np.float32,
-    'rewards_BxT': np.float32, 'reward_B': np.float32,
-    'num_action_tokens_B': np.int32, 'slot_ids_B': np.int32,
+    'rewards_BxT': np.float32, 'positions_BxT': np.int32,
+    'segment_ids_BxT': np.int32, 'reward_N': np.float32,
+    'num_action_tokens_N': np.int32, 'slot_ids_N': np.int32,
 }
 
 
 def field_rank(name: str) -> int:
-  """2 for a `_BxT` field, 1 for a `_B` field of `TrainBatch`."""
+  """2 for a `_BxT` field, 1 for a `_N` field of `TrainBatch`."""
   return 2 if name.endswith('_BxT') else 1
+
+
+def row_fields(batch: TrainBatch) -> TrainBatch:
+  """The batch without its per-trajectory (`_N`) fields (None there).
+
+  What mini- and micro-batches split: they take rows, and a row of a packed
+  batch holds a varying number of trajectories, so the `_N` arrays have no
+  row-wise split. They are read once per batch (advantages), never per
+  mini-batch.
+  """
+  return batch.replace(**{name: None for name in TRAIN_BATCH_DTYPES
+                          if field_rank(name) == 1})
 
 
 class LearnerState(NamedTuple):

@@ -20,9 +20,10 @@ def batch_mean_advantages(config, batch, values_BxT, state, mesh):
   """A toy estimator: each reward minus the batch's mean reward, A_t on every
   action token of its trajectory."""
   del config, values_BxT, mesh
-  reward_B = batch.reward_B
-  adv_B = reward_B - jnp.mean(reward_B)
-  return advantages.broadcast_to_actions(adv_B, batch.action_mask_BxT), state
+  reward_N = batch.reward_N
+  adv_N = reward_N - jnp.mean(reward_N)
+  return advantages.broadcast_to_actions(adv_N, batch.action_mask_BxT,
+                                         batch.segment_ids_BxT), state
 
 
 def batch_mean_preset(config):
@@ -56,7 +57,7 @@ def test_registered_estimator_trains_through_the_learner(batch_mean):
   (metrics,) = helpers.run(learner, [0])
 
   batch = helpers.fake_batch(0)
-  reward_B = batch.reward_B
+  reward_B = batch.reward_N  # one trajectory per row
   mask_BxT = batch.action_mask_BxT.astype(bool)
   adv_BxT = np.where(mask_BxT, (reward_B - reward_B.mean())[:, None], 0.0)
   count = mask_BxT.sum()

@@ -55,6 +55,24 @@ def test_learner_benchmark_quick(tmp_path):
   assert '| step_k2_unroll |' in proc.stdout
 
 
+@pytest.mark.slow
+def test_packing_benchmark_quick(tmp_path):
+  out = tmp_path / 'packing.json'
+  proc = _script('benchmarks/packing.py', '--quick', f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  entry = result['distributions']['calculator_quick']
+  padding = entry['padding']
+  packed = padding['packed'][str(result['default_rows'])]
+  assert 0 <= packed['padding'] < padding['unpacked_padding'] < 1
+  assert 0 <= packed['overflow_fraction'] <= 1
+  speed = entry['learner']
+  assert set(speed['median_seconds']) == {'unpacked', 'packed_2'}
+  assert speed['rows'] == {'unpacked': 4, 'packed_2': 2}
+  assert all(v > 0 for v in speed['real_tokens_per_s'].values())
+  assert '| calculator_quick (T = 128) |' in proc.stdout
+
+
 def test_rollout_benchmark_quick(tmp_path):
   out = tmp_path / 'rollout.json'
   proc = _script('benchmarks/rollout.py', '--quick', f'--out={out}',

@@ -31,7 +31,7 @@ def schedule_config(algorithm, old_logprobs='recompute'):
 
 
 def grpo_advantages(batch, group):
-  rewards = batch.reward_B.astype(np.float64).reshape(-1, group)
+  rewards = batch.reward_N.astype(np.float64).reshape(-1, group)
   adv = (rewards - rewards.mean(1, keepdims=True)) / (
       rewards.std(1, keepdims=True) + 1e-6)
   return np.where(batch.action_mask_BxT, adv.reshape(-1)[:, None], 0.0)
@@ -76,7 +76,7 @@ def reference_update(learner, batch, mode):
   def as_tree(flat):
     return [np.asarray(p, np.float32) for p in flat]
 
-  all_rows = np.arange(len(batch.reward_B))
+  all_rows = np.arange(len(batch.reward_N))
   old_all = np.asarray(logp_fn(as_tree(params), all_rows), np.float64)
   adv_all = grpo_advantages(batch, config.group_size)
   m = [np.zeros_like(p) for p in params]

@@ -187,11 +187,16 @@ class Learner:
         tx, jax.lax.with_sharding_constraint, tx.init(params),
         self._param_shardings[name])
 
-  def abstract_batch(self, batch_size: int, length: int) -> types.TrainBatch:
-    """A global batch's shapes, dtypes and shardings (for AOT compiles)."""
+  def abstract_batch(self, batch_size: int, length: int,
+                     rows: int = 0) -> types.TrainBatch:
+    """A global batch's shapes, dtypes and shardings (for AOT compiles).
+
+    `batch_size` trajectories (N) in `rows` rows of `length` (0: one per row).
+    """
+    rows = rows or batch_size
     return jax.tree.map(
         lambda name, s: jax.ShapeDtypeStruct(
-            (batch_size, length) if types.field_rank(name) == 2
+            (rows, length) if types.field_rank(name) == 2
             else (batch_size,), types.TRAIN_BATCH_DTYPES[name], sharding=s),
         types.TrainBatch(**{n: n for n in types.TRAIN_BATCH_DTYPES}),
         self._batch_shardings())
@@ -217,9 +222,16 @@ class Learner:
   def device_batch(self, batch: types.TrainBatch) -> types.TrainBatch:
     """This process's rows (numpy) as one batch of sharded global arrays.
 
-    On several processes each contributes its rows; the global batch is their
-    concatenation in process order.
+    On several processes each contributes its rows and trajectories; the
+    global batch is their concatenation in process order, so each process's
+    segment ids (1 + a trajectory's local index) move past the trajectories
+    of the processes before it.
     """
+    if jax.process_count() > 1:
+      ids = np.asarray(batch.segment_ids_BxT)
+      offset = jax.process_index() * len(batch.reward_N)
+      batch = batch.replace(segment_ids_BxT=np.where(ids > 0, ids + offset,
+                                                     0).astype(np.int32))
     return jax.tree.map(_global_array, batch, self._batch_shardings())
 
   # -- steps -------------------------------------------------------------------
@@ -243,11 +255,11 @@ class Learner:
     else:
       values_for_returns = algorithms.critic_values(self.critic_model(state),
                                                     batch)
-    lam_critic = jnp.full(batch.reward_B.shape, cfg.critic.lam, _F32)
-    _, returns = algorithms.gae(cfg, batch, values_for_returns, lam_critic,
-                                 self.mesh)
+    _, returns = algorithms.gae(cfg, batch, values_for_returns,
+                                cfg.critic.lam, self.mesh)
     returns = jax.lax.stop_gradient(returns)
-    totals = algorithms.batch_totals(algorithms.gae_mask(cfg, batch))
+    totals = algorithms.batch_totals(algorithms.gae_mask(cfg, batch),
+                                     batch.segment_ids_BxT)
 
     def loss_fn(trainable, micro):
       model = nnx.merge(self._critic_def, trainable, state.critic_frozen)
@@ -256,13 +268,13 @@ class Learner:
           cfg, values, micro['returns_BxT'], micro['batch'],
           micro['values_before_BxT'])
       weight = algorithms.microbatch_weight(
-          algorithms.gae_mask(cfg, micro['batch']), totals,
-          cfg.policy_loss.aggregation)
+          algorithms.gae_mask(cfg, micro['batch']),
+          micro['batch'].segment_ids_BxT, totals, cfg.policy_loss.aggregation)
       return loss * weight, (dict(metrics, loss=loss),
                              jax.lax.stop_gradient(values))
 
-    # The batch and the constants of its updates, split together.
-    data = {'batch': batch, 'returns_BxT': returns,
+    # The batch's rows and the constants of its updates, split together.
+    data = {'batch': types.row_fields(batch), 'returns_BxT': returns,
             'values_before_BxT': values_for_returns}
 
     def one_update(i, carry):
@@ -320,8 +332,9 @@ class Learner:
     metrics['advantage/mean'] = jnp.sum(jnp.where(mask, adv, 0.0)) / count
     metrics['advantage/abs_mean'] = jnp.sum(jnp.where(mask, jnp.abs(adv),
                                                       0.0)) / count
-    # Everything the updates treat as constants, computed once per batch.
-    data = {'batch': batch, 'advantages_BxT': adv}
+    # Everything the updates treat as constants, computed once per batch;
+    # mini-batches take rows, so the per-trajectory fields stay behind.
+    data = {'batch': types.row_fields(batch), 'advantages_BxT': adv}
     if self.algorithm.needs_proximal_logprobs:
       data['prox_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
           self.policy_model(state), batch, self.sampling,
@@ -364,8 +377,9 @@ class Learner:
       loss, loss_metrics = algorithms.policy_loss(
           cfg, logp, batch, micro['advantages_BxT'], micro.get('prox_logp_BxT'),
           entropy, micro.get('ref_logp_BxT'), self.mesh)
-      weight = algorithms.microbatch_weight(batch.action_mask_BxT, totals,
-                                            cfg.policy_loss.aggregation)
+      weight = algorithms.microbatch_weight(
+          batch.action_mask_BxT, batch.segment_ids_BxT, totals,
+          cfg.policy_loss.aggregation)
       return loss * weight, (dict(loss_metrics, loss=loss), None)
 
     def minibatch(update):
@@ -384,7 +398,8 @@ class Learner:
     def one_update(carry, update):
       params, opt_state = carry
       micro_data = minibatch(update)
-      totals = algorithms.batch_totals(micro_data['batch'].action_mask_BxT)
+      totals = algorithms.batch_totals(micro_data['batch'].action_mask_BxT,
+                                       micro_data['batch'].segment_ids_BxT)
       grads, (step_metrics, _) = _accumulate(
           lambda p, m: loss_fn(p, m, totals), params, micro_data,
           cfg.optim.microbatches, self._param_shardings['policy'])

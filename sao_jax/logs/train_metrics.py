@@ -150,6 +150,12 @@ class PromptSlots:
     return self.ids(question_digest(t, m)
                     for t, m in zip(tokens_BxT, action_mask_BxT))
 
+  def trajectory_ids(self, trajectories) -> np.ndarray:
+    """The slot of each trajectory's question (`TrainBatch.slot_ids_N`):
+    per trajectory, not per row, since a packed row holds several."""
+    return self.ids(question_digest(t.tokens, t.action_mask)
+                    for t in trajectories)
+
   def state_dict(self) -> dict[str, Any]:
     return {'slots': dict(self._slots), 'shared': self.shared}
 

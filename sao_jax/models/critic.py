@@ -28,15 +28,17 @@ class ValueModel(nnx.Module):
                                 logical_axes=('embed',))
     self.value_bias = nnx.Param(jnp.zeros((), jnp.float32), logical_axes=())
 
-  def __call__(self, tokens, positions=None, input_mask=None):
-    """Values of the states at each token: V(s_t) reads tokens [0, t]."""
+  def __call__(self, tokens, positions=None, input_mask=None,
+               segment_ids=None):
+    """Values of the states at each token: V(s_t) reads tokens [0, t] (of
+    its own segment, with `segment_ids` of packed rows)."""
     array_checks.require_rank('ValueModel', 'tokens', tokens, '[B, T]')
     if input_mask is None:
       input_mask = jnp.ones(tokens.shape, bool)
     if positions is None:
       positions = transformer.default_positions(tokens, input_mask)
-    hidden, _ = self.decoder(tokens, positions,
-                             transformer.causal_mask(input_mask))
+    hidden, _ = self.decoder(
+        tokens, positions, transformer.attention_mask(input_mask, segment_ids))
     values = jnp.einsum('btd,d->bt', hidden.astype(jnp.float32),
                         self.value_head[...])
     return values + self.value_bias[...]

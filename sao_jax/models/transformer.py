@@ -228,6 +228,26 @@ def causal_mask(input_mask_BxT):
   return causal_TxT[None] & input_mask_BxT.astype(bool)[:, None, :]
 
 
+def segment_mask(segment_ids_BxT):
+  """Query t sees key s <= t of its own segment: `[B, T, T]` bool.
+
+  A packed row holds several trajectories back to back (segment ids 1, 2,
+  ...; 0 on padding): attention never crosses from one into another, so
+  each one's outputs are what they would be alone in a row (with positions
+  counted from 0 in each segment).
+  """
+  ids_BxT = jnp.asarray(segment_ids_BxT)
+  same_BxTxT = ids_BxT[:, :, None] == ids_BxT[:, None, :]
+  return causal_mask(ids_BxT > 0) & same_BxTxT
+
+
+def attention_mask(input_mask_BxT, segment_ids_BxT=None):
+  """`segment_mask` of packed rows, else `causal_mask` of the real tokens."""
+  if segment_ids_BxT is None:
+    return causal_mask(input_mask_BxT)
+  return segment_mask(segment_ids_BxT)
+
+
 class CausalLM(nnx.Module):
   """The policy pi_theta: decoder plus LM head (tied or untied)."""
 
@@ -238,7 +258,8 @@ class CausalLM(nnx.Module):
         rngs, (cfg.hidden_size, cfg.vocab_size), ('embed', 'vocab'),
         cfg.params_dtype)
 
-  def __call__(self, tokens, positions=None, input_mask=None):
+  def __call__(self, tokens, positions=None, input_mask=None,
+               segment_ids=None):
     """Logits float32 `[B, T, V]` for int tokens `[B, T]`.
 
     Args:
@@ -246,10 +267,14 @@ class CausalLM(nnx.Module):
       positions: optional int `[B, T]` RoPE positions; by default counted over
         the real tokens of `input_mask`.
       input_mask: optional bool `[B, T]`, False at padding (left or right).
+      segment_ids: optional int `[B, T]` of packed rows (`segment_mask`;
+        0 at padding): replaces `input_mask` in the attention mask.
     """
-    return self.logits(self.hidden_states(tokens, positions, input_mask))
+    return self.logits(self.hidden_states(tokens, positions, input_mask,
+                                          segment_ids))
 
-  def hidden_states(self, tokens, positions=None, input_mask=None):
+  def hidden_states(self, tokens, positions=None, input_mask=None,
+                    segment_ids=None):
     """The final-normed hidden states `[B, T, d]` the LM head reads.
 
     For a caller that applies the head itself (`sampling.chunked_token_logprobs`
@@ -260,7 +285,8 @@ class CausalLM(nnx.Module):
       input_mask = jnp.ones(tokens.shape, bool)
     if positions is None:
       positions = default_positions(tokens, input_mask)
-    hidden, _ = self.decoder(tokens, positions, causal_mask(input_mask))
+    hidden, _ = self.decoder(tokens, positions, attention_mask(input_mask,
+                                                               segment_ids))
     return hidden
 
   def logits(self, hidden_BxTxd):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from sao_jax import array_checks
 from sao_jax.kernels.gae import reference as gae_reference
+from sao_jax.rl import tokens
 
 _F32 = jnp.float32
 
@@ -28,8 +29,9 @@ skip_observation_gae = gae_reference.skip_observation_gae
 check_gae_inputs = gae_reference.check_gae_inputs
 
 
-def response_mask(input_mask, action_mask):
-  """Each row's real tokens from its first action token on, bool `[B, T]`.
+def response_mask(input_mask, action_mask, segment_ids=None):
+  """Each trajectory's real tokens from its first action token on, bool
+  `[B, T]`.
 
   The response of a multi-turn trajectory: its actions and the observations
   between (and after) them, without the prompt before the first action and
@@ -41,14 +43,24 @@ def response_mask(input_mask, action_mask):
   Args:
     input_mask: bool or 0/1 `[B, T]`, 1 on real (non-padding) tokens.
     action_mask: bool or 0/1 `[B, T]`, 1 on action tokens.
+    segment_ids: int `[B, T]`, the trajectories of packed rows (each has its
+      own prompt); None: one per row.
   """
   where = 'response_mask'
   array_checks.require_rank(where, 'input_mask', input_mask, '[B, T]')
   array_checks.require_shape(where, 'action_mask', action_mask,
                              jnp.shape(input_mask), '[B, T]')
   actions_BxT = jnp.asarray(action_mask).astype(jnp.int32)
-  started_BxT = jnp.cumsum(actions_BxT, axis=1) > 0
-  return jnp.asarray(input_mask).astype(bool) & started_BxT
+  seen_BxT = jnp.cumsum(actions_BxT, axis=1)  # actions at or before t
+  if segment_ids is not None:
+    local_BxT = tokens.row_segments(where, segment_ids, actions_BxT)
+    starts_BxT = local_BxT != jnp.pad(local_BxT[:, :-1], ((0, 0), (1, 0)))
+    # The row's actions before t's segment began (the count is
+    # non-decreasing, so the latest start's count is the running max).
+    before_BxT = jax.lax.cummax(
+        jnp.where(starts_BxT, seen_BxT - actions_BxT, 0), axis=1)
+    seen_BxT = seen_BxT - before_BxT
+  return jnp.asarray(input_mask).astype(bool) & (seen_BxT > 0)
 
 
 def length_adaptive_lambda(num_action_tokens, alpha):
@@ -204,20 +216,34 @@ def running_mean_advantages(state: RunningMeanState, rewards, slot_ids=None):
   return rewards_B - baseline_B, new_state
 
 
-def broadcast_to_actions(advantages, action_mask):
-  """Spreads one advantage per trajectory `[B]` over its action tokens `[B, T]`.
+def broadcast_to_actions(advantages, action_mask, segment_ids=None):
+  """Spreads one advantage per trajectory `[N]` over its action tokens `[B, T]`.
 
   GRPO and the running-mean baseline give one scalar per trajectory; the token
   losses want it on every action token and 0 elsewhere.
+
+  Args:
+    advantages: float `[N]`, one per trajectory.
+    action_mask: bool or 0/1 `[B, T]`.
+    segment_ids: int `[B, T]` (`TrainBatch.segment_ids_BxT`): token t
+      belongs to trajectory `segment_ids[t] - 1`; None: trajectory n is row n
+      (N = B).
   """
   where = 'broadcast_to_actions'
-  array_checks.require_rank(where, 'advantages', advantages, '[B]')
+  array_checks.require_rank(where, 'advantages', advantages, '[N]')
   array_checks.require_rank(where, 'action_mask', action_mask, '[B, T]')
-  (batch,) = jnp.shape(advantages)
-  array_checks.require_shape(where, 'action_mask', action_mask,
-                             (batch, jnp.shape(action_mask)[1]), '[B, T]')
   mask_BxT = jnp.asarray(action_mask).astype(bool)
-  return jnp.where(mask_BxT, jnp.asarray(advantages, _F32)[:, None], 0.0)
+  adv_N = jnp.asarray(advantages, _F32)
+  if segment_ids is None:
+    (batch,) = jnp.shape(advantages)
+    array_checks.require_shape(where, 'action_mask', action_mask,
+                               (batch, jnp.shape(action_mask)[1]), '[B, T]')
+    return jnp.where(mask_BxT, adv_N[:, None], 0.0)
+  array_checks.require_shape(where, 'segment_ids', segment_ids,
+                             jnp.shape(action_mask), '[B, T]')
+  ids_BxT = jnp.asarray(segment_ids, jnp.int32)
+  adv_BxT = jnp.take(adv_N, jnp.maximum(ids_BxT - 1, 0), axis=0)
+  return jnp.where(mask_BxT & (ids_BxT > 0), adv_BxT, 0.0)
 
 
 def normalize_advantages(advantages, action_mask, eps=1e-6):

@@ -38,6 +38,7 @@ from sao_jax.kernels.gae import api as gae_api
 from sao_jax.models import sampling
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
+from sao_jax.rl import tokens
 
 _F32 = jnp.float32
 
@@ -59,8 +60,9 @@ def policy_logprobs(policy, batch, params: sampling.SamplingParams,
   Returns:
     `(logp_BxT, entropy_BxT or None)`.
   """
-  hidden_BxTxd = policy.hidden_states(batch.tokens_BxT,
-                                      input_mask=batch.input_mask_BxT)
+  hidden_BxTxd = policy.hidden_states(batch.tokens_BxT, batch.positions_BxT,
+                                      batch.input_mask_BxT,
+                                      batch.segment_ids_BxT)
   targets_BxT = jnp.roll(batch.tokens_BxT, -1, axis=1)  # token t+1 at t
   logp_BxT, entropy_BxT = sampling.chunked_token_logprobs(
       policy.logits, hidden_BxTxd, targets_BxT, params, chunk_size,
@@ -71,16 +73,26 @@ def policy_logprobs(policy, batch, params: sampling.SamplingParams,
 
 def critic_values(critic, batch):
   """V_phi of the state before each token, `[B, T]` float32."""
-  return _shift_right(critic(batch.tokens_BxT, input_mask=batch.input_mask_BxT))
+  # A segment's first token gets its predecessor's output: another
+  # trajectory's, in a packed row. It is a prompt token (never an action), so
+  # nothing reads it.
+  return _shift_right(critic(batch.tokens_BxT, batch.positions_BxT,
+                             batch.input_mask_BxT, batch.segment_ids_BxT))
 
 
 def policy_lambda(config, batch):
-  """lambda_policy: length-adaptive per trajectory (SAO §1.4) or fixed."""
+  """lambda_policy per token `[B, T]`: length-adaptive per trajectory (SAO
+  §1.4, l = its action tokens) or fixed; each trajectory's own in a packed
+  row."""
   adv = config.advantage
   if adv.adaptive_lambda:
-    return advantages.length_adaptive_lambda(batch.num_action_tokens_B,
-                                             adv.alpha)
-  return jnp.full(batch.num_action_tokens_B.shape, adv.lam, _F32)
+    lam_N = advantages.length_adaptive_lambda(batch.num_action_tokens_N,
+                                              adv.alpha)
+  else:
+    lam_N = jnp.full(batch.num_action_tokens_N.shape, adv.lam, _F32)
+  # On every token of the trajectory: GAE reads it on the tokens it runs over.
+  return advantages.broadcast_to_actions(lam_N, batch.input_mask_BxT,
+                                         batch.segment_ids_BxT)
 
 
 def gae_mask(config, batch):
@@ -94,7 +106,8 @@ def gae_mask(config, batch):
   """
   if config.advantage.skip_observations:
     return batch.action_mask_BxT
-  return advantages.response_mask(batch.input_mask_BxT, batch.action_mask_BxT)
+  return advantages.response_mask(batch.input_mask_BxT, batch.action_mask_BxT,
+                                  batch.segment_ids_BxT)
 
 
 def gae(config, batch, values_BxT, lam, mesh=None):
@@ -106,7 +119,7 @@ def gae(config, batch, values_BxT, lam, mesh=None):
   """
   return gae_api.skip_observation_gae(
       batch.rewards_BxT, values_BxT, gae_mask(config, batch),
-      config.advantage.gamma, lam,
+      config.advantage.gamma, lam, batch.segment_ids_BxT,
       implementation=config.kernels.implementation, mesh=mesh)
 
 
@@ -152,10 +165,12 @@ def _group_advantages(config, batch, values_BxT, state, mesh, *,
                       std_normalize):
   """GRPO's (Dr.GRPO's) group-relative advantage on every action token."""
   del values_BxT, mesh
-  adv_B = advantages.grpo_advantages(
-      batch.reward_B.reshape(-1, config.group_size),
+  # Groups are contiguous on the `_N` axis, wherever packing put their rows.
+  adv_N = advantages.grpo_advantages(
+      batch.reward_N.reshape(-1, config.group_size),
       std_normalize=std_normalize).reshape(-1)
-  return advantages.broadcast_to_actions(adv_B, batch.action_mask_BxT), state
+  return advantages.broadcast_to_actions(adv_N, batch.action_mask_BxT,
+                                         batch.segment_ids_BxT), state
 
 
 def _running_mean_init(config):
@@ -171,10 +186,11 @@ def _running_mean_advantages(config, batch, values_BxT, state, mesh):
   """Reward minus the question's (or global) running mean (SAO §3)."""
   del values_BxT, mesh
   slots = (None if config.advantage.running_mean_scope == 'global'
-           else batch.slot_ids_B)
-  adv_B, state = advantages.running_mean_advantages(state, batch.reward_B,
+           else batch.slot_ids_N)
+  adv_N, state = advantages.running_mean_advantages(state, batch.reward_N,
                                                     slots)
-  return advantages.broadcast_to_actions(adv_B, batch.action_mask_BxT), state
+  return advantages.broadcast_to_actions(adv_N, batch.action_mask_BxT,
+                                         batch.segment_ids_BxT), state
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -242,7 +258,7 @@ def _dis_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   cfg = config.policy_loss
   return dis_loss_api.dis_policy_loss(
       logp_BxT, batch.behavior_logprobs_BxT, adv_BxT, batch.action_mask_BxT,
-      cfg.eps_low, cfg.eps_high, cfg.aggregation,
+      cfg.eps_low, cfg.eps_high, cfg.aggregation, batch.segment_ids_BxT,
       implementation=config.kernels.implementation, mesh=mesh)
 
 
@@ -256,7 +272,7 @@ def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   loss, metrics = losses.ppo_policy_loss(
       logp_BxT, old_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
       dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
-      token_weights=weights_BxT)
+      token_weights=weights_BxT, segment_ids=batch.segment_ids_BxT)
   if weights_BxT is not None:
     count = jnp.maximum(jnp.sum(mask), 1)
     metrics['behavior_weight_mean'] = jnp.sum(weights_BxT) / count
@@ -350,6 +366,7 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
   """
   cfg = config.policy_loss
   mask = batch.action_mask_BxT
+  segments = batch.segment_ids_BxT
   loss, metrics = POLICY_LOSSES[cfg.name].loss(config, logp_BxT, batch,
                                                adv_BxT, prox_logp_BxT, mesh)
   if cfg.behavior_kl_coef:
@@ -357,16 +374,16 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
     # a pull towards the rollout engine's policy, not the reference model.
     log_ratio = jnp.where(mask, logp_BxT - batch.behavior_logprobs_BxT, 0.0)
     k3 = jnp.exp(log_ratio) - 1.0 - log_ratio
-    kl = losses.aggregate(k3, mask, cfg.aggregation)
+    kl = losses.aggregate(k3, mask, cfg.aggregation, segments)
     loss = loss + cfg.behavior_kl_coef * kl
     metrics['behavior_kl_penalty'] = kl
   if cfg.ref_kl_coef:
     kl = losses.reference_kl(logp_BxT, ref_logp_BxT, mask,
-                             cfg.ref_kl_estimator, cfg.aggregation)
+                             cfg.ref_kl_estimator, cfg.aggregation, segments)
     loss = loss + cfg.ref_kl_coef * kl
     metrics['ref_kl'] = kl
   if cfg.entropy_coef:
-    entropy = losses.aggregate(entropy_BxT, mask, cfg.aggregation)
+    entropy = losses.aggregate(entropy_BxT, mask, cfg.aggregation, segments)
     loss = loss - cfg.entropy_coef * entropy
     metrics['entropy'] = entropy
   return loss, metrics
@@ -378,26 +395,30 @@ def value_loss(config, values_BxT, returns_BxT, batch, old_values_BxT=None):
   return losses.value_loss(values_BxT, returns_BxT, gae_mask(config, batch),
                            old_values=old_values_BxT if clip else None,
                            clip_eps=clip,
-                           aggregation=config.policy_loss.aggregation)
+                           aggregation=config.policy_loss.aggregation,
+                           segment_ids=batch.segment_ids_BxT)
 
 
-def microbatch_weight(mask_BxT, totals, aggregation):
+def microbatch_weight(mask_BxT, segment_ids_BxT, totals, aggregation):
   """The share of the full-batch loss one micro-batch's mean stands for.
 
-  Losses are means over a micro-batch's tokens (or rows); weighting each by
-  its share of the batch's tokens (rows) makes the accumulated gradient equal
-  the full batch's, whatever the split.
+  Losses are means over a micro-batch's tokens (or trajectories: segments of
+  rows); weighting each by its share of the batch's tokens (trajectories)
+  makes the accumulated gradient equal the full batch's, whatever the split
+  (a micro-batch takes whole rows, so whole trajectories).
   """
   if aggregation == 'token_mean':
     return jnp.sum(mask_BxT) / jnp.maximum(totals['tokens'], 1)
-  rows = jnp.sum(jnp.any(mask_BxT, axis=1))
-  return rows / jnp.maximum(totals['rows'], 1)
+  segments = tokens.num_segments(mask_BxT, segment_ids_BxT)
+  return segments / jnp.maximum(totals['segments'], 1)
 
 
-def batch_totals(mask_BxT):
-  """Tokens and non-empty rows of a full batch's loss mask (for weights)."""
+def batch_totals(mask_BxT, segment_ids_BxT):
+  """Tokens and non-empty trajectories of a full batch's loss mask (for
+  weights)."""
   return {'tokens': jnp.sum(mask_BxT).astype(_F32),
-          'rows': jnp.sum(jnp.any(mask_BxT, axis=1)).astype(_F32)}
+          'segments': tokens.num_segments(mask_BxT,
+                                          segment_ids_BxT).astype(_F32)}
 
 
 def stop_gradient_tree(tree):

@@ -29,7 +29,7 @@ dis_policy_loss = dis_reference.dis_policy_loss
 
 def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
                     dual_clip=None, aggregation='token_mean',
-                    token_weights=None):
+                    token_weights=None, segment_ids=None):
   """PPO's clipped surrogate with decoupled (clip-higher) bounds and dual clip.
 
     ratio_t = exp(logp_t - old_logp_t)
@@ -53,6 +53,8 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
     aggregation: one of `AGGREGATIONS`.
     token_weights: float `[B, T]` constant weights w_t of the per-token terms
       (decoupled PPO's truncated behaviour importance weight), or None.
+    segment_ids: int `[B, T]` trajectories of packed rows (for the sequence
+      mean; `TrainBatch.segment_ids_BxT`), or None: one per row.
 
   Returns:
     `(loss, metrics)` with `num_tokens`, `clip_frac` (tokens whose clipped term
@@ -88,7 +90,7 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
     # `where`: a zero weight must silence an overflowed term, not make NaN.
     loss_BxT = jnp.where(weights_BxT != 0,
                          jax.lax.stop_gradient(weights_BxT) * loss_BxT, 0.0)
-  loss = tokens.aggregate(loss_BxT, mask_BxT, aggregation)
+  loss = tokens.aggregate(loss_BxT, mask_BxT, aggregation, segment_ids)
 
   metrics = tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
   count = jnp.maximum(metrics['num_tokens'], 1.0)
@@ -130,7 +132,7 @@ KL_ESTIMATORS = ('k1', 'k3')
 
 
 def reference_kl(logp, ref_logp, mask, estimator='k3',
-                 aggregation='token_mean'):
+                 aggregation='token_mean', segment_ids=None):
   """A differentiable estimate of KL(pi_theta || pi_ref) on the sampled tokens.
 
   With `log r_t = ref_logp_t - logp_t`:
@@ -145,6 +147,7 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
     mask: bool or 0/1 `[B, T]`.
     estimator: one of `KL_ESTIMATORS`.
     aggregation: one of `AGGREGATIONS`.
+    segment_ids: int `[B, T]` trajectories of packed rows, or None.
 
   Returns:
     float32 scalar.
@@ -164,11 +167,11 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
   else:
     raise ValueError(f'{where}: unknown estimator {estimator!r}; expected one'
                      f' of {KL_ESTIMATORS}')
-  return tokens.aggregate(kl_BxT, mask_BxT, aggregation)
+  return tokens.aggregate(kl_BxT, mask_BxT, aggregation, segment_ids)
 
 
 def value_loss(values, returns, mask, old_values=None, clip_eps=None,
-               aggregation='token_mean'):
+               aggregation='token_mean', segment_ids=None):
   """Critic regression `0.5 * (V_t - R_t)^2` on action tokens, optionally clipped.
 
   With `clip_eps` set, PPO-style value clipping:
@@ -182,6 +185,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
     old_values: float `[B, T]` values at rollout time; needed with `clip_eps`.
     clip_eps: value clip width, or None (SAO default: off).
     aggregation: one of `AGGREGATIONS`.
+    segment_ids: int `[B, T]` trajectories of packed rows, or None.
 
   Returns:
     `(loss, metrics)` with `num_tokens`, `value_mean`, `return_mean`,
@@ -205,7 +209,8 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
     sq_err_BxT = jnp.maximum(sq_err_BxT, sq_clip_BxT)
   else:
     clip_active_BxT = jnp.zeros_like(mask_BxT)
-  loss = tokens.aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation)
+  loss = tokens.aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation,
+                          segment_ids)
 
   num_tokens = jnp.sum(mask_BxT).astype(_F32)
   count = jnp.maximum(num_tokens, 1.0)

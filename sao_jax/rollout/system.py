@@ -85,6 +85,9 @@ class RolloutSystem:
     r = config.rollout
     self._config = config
     self._pad_id = tok.pad_id or 0
+    # Packing runs on one process only (config_lib), so the learner's mesh
+    # is config.mesh over this process's devices.
+    self._packed_rows = config_lib.packed_rows(config)
     self._stop_flag = stop_flag
     self._weights_dir = os.path.join(workdir, 'weights')
     os.makedirs(self._weights_dir, exist_ok=True)
@@ -162,8 +165,9 @@ class RolloutSystem:
   # ---------------------------------------------------------------- batches
 
   def next_batch(self, timeout_s: float
-                 ) -> tuple[list[types.Trajectory], batching.Batch]:
-    """The next batch: its trajectories and their padded [B, T] arrays.
+                 ) -> tuple[list[types.Trajectory], types.TrainBatch]:
+    """The next batch: its trajectories and their [B, T] rows (packed when
+    `config.batching` says so: `config_lib.packed_rows`).
 
     Waits in short polls (see `_poll`).
 
@@ -187,7 +191,8 @@ class RolloutSystem:
             timeout=max(min(poll_s, deadline - time.monotonic()), 0.0)),
         on_timeout=give_up)
     return trajectories, batching.assemble_batch(
-        trajectories, self._config.rollout.max_sequence_length, self._pad_id)
+        trajectories, self._config.rollout.max_sequence_length, self._pad_id,
+        self._packed_rows)
 
   def set_learner_version(self, version: int) -> None:
     """The policy version the learner now holds; call it after every step

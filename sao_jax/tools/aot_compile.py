@@ -91,7 +91,8 @@ def compile_train_step(config, topology: str) -> Report:
   with platforms.compile_target('tpu'):
     learner = learner_lib.Learner(config, policy, mesh, init_state=False)
     batch_size, length = config.batch_size, config.rollout.max_sequence_length
-    batch = learner.abstract_batch(batch_size, length)
+    batch = learner.abstract_batch(batch_size, length,
+                                   config_lib.packed_rows(config, sizes))
     start = time.perf_counter()
     lowered = learner.train_step.lower(learner.abstract_state, batch)
     try:

@@ -16,6 +16,7 @@ import pytest
 
 from sao_jax import config_lib
 from sao_jax import kernels
+from sao_jax import sharding
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
 
@@ -192,3 +193,143 @@ def test_config_switches_implementation_with_identical_results():
     results[implementation] = (loss, grad, adv_gae)
   chex.assert_trees_all_close(results['pallas'], results['xla'], rtol=1e-5,
                               atol=1e-6)
+
+
+# -- packed rows: trajectories as segments -------------------------------------
+
+
+def packed_segments(rng, batch, length, max_segments=5):
+  """Segment ids of packed rows: runs 1, 2, ... (unique over the batch),
+  varying lengths, padding (0) at the end of most rows."""
+  ids = np.zeros((batch, length), np.int32)
+  next_id = 1
+  for row in range(batch):
+    start = 0
+    for _ in range(int(rng.integers(1, max_segments + 1))):
+      size = int(rng.integers(1, length // 2))
+      if start + size > length:
+        break
+      ids[row, start:start + size] = next_id
+      next_id += 1
+      start += size
+  ids[0, :] = next_id  # one row that is a single full segment
+  return ids
+
+
+def numpy_gae_per_segment(rewards, values, mask, gamma, lam_BxT, ids):
+  """Skip-observation GAE of each trajectory on its own, in float64."""
+  adv = np.zeros(rewards.shape)
+  for n in np.unique(ids[ids > 0]):
+    rows, cols = np.nonzero(ids == n)
+    actions = [(r, c) for r, c in zip(rows, cols) if mask[r, c]]
+    next_value = next_adv = 0.0
+    for r, c in reversed(actions):
+      delta = rewards[r, c] + gamma * next_value - values[r, c]
+      adv[r, c] = delta + gamma * lam_BxT[r, c] * next_adv
+      next_value, next_adv = values[r, c], adv[r, c]
+  return adv, np.where(mask, adv + values, 0.0)
+
+
+def packed_gae_inputs(seed, batch=6, length=300):
+  rewards, values, mask, _ = gae_inputs(seed, batch, length)
+  rng = np.random.default_rng(seed + 100)
+  ids = packed_segments(rng, batch, length)
+  mask = mask & (ids > 0)
+  lam = rng.uniform(0.0, 1.0, size=ids.max() + 1).astype(np.float32)
+  return rewards, values, mask, lam[ids], ids  # one lambda per trajectory
+
+
+@pytest.mark.parametrize('gamma', [1.0, 0.95])
+def test_gae_reference_packed_is_gae_of_each_trajectory_alone(gamma):
+  rewards, values, mask, lam_BxT, ids = packed_gae_inputs(6)
+  got = advantages.skip_observation_gae(rewards, values, mask, gamma, lam_BxT,
+                                        ids)
+  want = numpy_gae_per_segment(np.asarray(rewards, np.float64),
+                               np.asarray(values, np.float64), mask, gamma,
+                               lam_BxT, ids)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('per_token_lambda', [True, False])
+def test_gae_packed_matches_reference(implementation, per_token_lambda):
+  rewards, values, mask, lam_BxT, ids = packed_gae_inputs(7)
+  lam = lam_BxT if per_token_lambda else lam_BxT[:, 0]
+  got = kernels.skip_observation_gae(rewards, values, mask, 0.95, lam, ids,
+                                     implementation=implementation,
+                                     block_t=128)
+  want = advantages.skip_observation_gae(rewards, values, mask, 0.95, lam,
+                                         ids)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
+  # Without the segment ids the recursion would run across trajectories.
+  unsegmented = advantages.skip_observation_gae(rewards, values, mask, 0.95,
+                                                lam)
+  assert np.abs(np.asarray(unsegmented[0]) - np.asarray(want[0])).max() > 0.1
+
+
+def numpy_seq_mean_per_segment(term_BxT, mask, ids):
+  """Mean over trajectories of each one's token mean, in float64."""
+  means = [term_BxT[(ids == n) & mask].mean()
+           for n in np.unique(ids[ids > 0]) if ((ids == n) & mask).any()]
+  return np.mean(means)
+
+
+def test_dis_reference_packed_is_the_mean_over_trajectories():
+  logp, mu, adv, mask = dis_inputs(8, batch=6, length=300)
+  ids = packed_segments(np.random.default_rng(8), 6, 300)
+  mask = mask & (ids > 0)
+  loss, _ = losses.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
+                                   'seq_mean_token_mean', ids)
+  ratio = np.exp(np.asarray(logp, np.float64) - np.asarray(mu, np.float64))
+  keep = (ratio > 0.7) & (ratio < 6.0)
+  term = np.where(keep, -ratio * np.asarray(adv) * np.asarray(logp), 0.0)
+  np.testing.assert_allclose(loss, numpy_seq_mean_per_segment(term, mask, ids),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('dtype', list(DTYPES))
+@pytest.mark.parametrize('aggregation', list(losses.AGGREGATIONS))
+def test_dis_packed_matches_reference(implementation, dtype, aggregation):
+  dt, tol = DTYPES[dtype]
+  logp, mu, adv, mask = dis_inputs(9, batch=10, length=300, dtype=dt)
+  ids = packed_segments(np.random.default_rng(9), 10, 300)
+  mask = mask & (ids > 0)
+
+  def run(fn, **kw):
+    return jax.value_and_grad(
+        lambda lp: fn(lp, mu, adv, mask, 0.3, 5.0, aggregation, ids, **kw),
+        has_aux=True)(logp)
+
+  (loss, metrics), grad = run(kernels.dis_policy_loss,
+                              implementation=implementation, block_b=32,
+                              block_t=128)
+  (want_loss, want_metrics), want_grad = run(losses.dis_policy_loss)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(metrics, want_metrics, rtol=1e-5)
+  assert grad.dtype == logp.dtype
+  np.testing.assert_allclose(np.asarray(grad, np.float32),
+                             np.asarray(want_grad, np.float32),
+                             rtol=tol, atol=tol * np.abs(want_grad).max())
+
+
+def test_packed_kernels_per_shard_match_one_call():
+  """On a mesh the kernels run per batch shard; the sequence mean's weights
+  are global, so the shards' sums add up to the one-call loss."""
+  mesh = sharding.make_mesh({'data': 2, 'fsdp': 1, 'tensor': 1},
+                            jax.devices()[:2])
+  logp, mu, adv, mask = dis_inputs(10, batch=64, length=128)
+  ids = packed_segments(np.random.default_rng(10), 64, 128)
+  mask = mask & (ids > 0)
+  dis = lambda lp, **kw: kernels.dis_policy_loss(
+      lp, mu, adv, mask, 0.3, 5.0, 'seq_mean_token_mean', ids,
+      implementation='pallas', **kw)[0]
+  chex.assert_trees_all_close(
+      jax.value_and_grad(lambda lp: dis(lp, mesh=mesh))(logp),
+      jax.value_and_grad(dis)(logp), rtol=1e-5, atol=1e-7)
+  rewards, values = logp, mu
+  gae = lambda **kw: kernels.skip_observation_gae(
+      rewards, values, mask, 1.0, jnp.where(mask, 0.9, 0.0), ids,
+      implementation='pallas', **kw)
+  chex.assert_trees_all_close(gae(mesh=mesh), gae(), rtol=1e-6)

@@ -51,3 +51,37 @@ def test_kernels_compile_for_tpu(topology, dtype):
     # Mosaic kernels, not an interpret-mode emulation of them.
     assert 'tpu_custom_call' in compiled_gae.as_text()
     assert 'tpu_custom_call' in compiled_dis.as_text()
+
+
+def packed_gae(rewards, values, mask, lam_BxT, segment_ids):
+  return kernels.skip_observation_gae(rewards, values, mask, 1.0, lam_BxT,
+                                      segment_ids, implementation='pallas',
+                                      interpret=False)
+
+
+def packed_dis_value_and_grad(logp, mu, adv, mask, segment_ids):
+  return jax.value_and_grad(
+      lambda x: kernels.dis_policy_loss(x, mu, adv, mask, 0.3, 5.0,
+                                        'seq_mean_token_mean', segment_ids,
+                                        implementation='pallas',
+                                        interpret=False),
+      has_aux=True)(logp)
+
+
+@pytest.mark.parametrize('topology', TOPOLOGIES)
+def test_packed_kernels_compile_for_tpu(topology):
+  """The packed path: per-token lambda, segment ends in the mask, and the
+  sequence mean as a weighted token sum."""
+  target = tpu_aot.TOPOLOGIES[topology]
+  batch, length = 130, 300
+  tokens = S((batch, length), jnp.bfloat16)
+  mask = S((batch, length), jnp.bool_)
+  ids = S((batch, length), jnp.int32)
+  compiled_gae = tpu_aot.compile_single_device(
+      packed_gae, tokens, tokens, mask, S((batch, length), jnp.float32), ids,
+      topology=target)
+  compiled_dis = tpu_aot.compile_single_device(
+      packed_dis_value_and_grad, tokens, tokens, tokens, mask, ids,
+      topology=target)
+  assert 'tpu_custom_call' in compiled_gae.as_text()
+  assert 'tpu_custom_call' in compiled_dis.as_text()

@@ -581,7 +581,7 @@ def test_a_bad_row_is_rejected_and_never_costs_the_good_rows(kind, caplog):
   assert [t.prompt_id for t in batch] == ['good0', 'good1', 'good2', 'good3']
   assert {t.info['task_index'] for t in batch} == {0, 1, 2, 3}
   assembled = batching.assemble_batch(batch, max_length=MAX_LEN, pad_id=0)
-  assert np.all(np.isfinite(assembled.reward_B))
+  assert np.all(np.isfinite(assembled.reward_N))
   assert stats[f'rejected/{reason}'] == 1
   assert stats['rejected'] == 1
   assert stats['put'] == 5 and stats['accepted'] == 4
@@ -961,13 +961,14 @@ def test_assemble_batch_places_reward_on_last_action_and_pads_right():
       [0, 0, -.1, -.2, 0, 0, -.3, 0], [0, -1, -2, 0, 0, 0, 0, 0]])
   np.testing.assert_array_equal(batch.rewards_BxT, [
       [0, 0, 0, 0, 0, 0, 2.5, 0], [0, 0, -1, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(batch.reward_B, [2.5, -1.0])
-  np.testing.assert_array_equal(batch.num_action_tokens_B, [3, 2])
-  np.testing.assert_array_equal(batch.slot_ids_B, [0, 0])  # set by trainer
-  for name, dtype in (('input_mask_BxT', bool), ('action_mask_BxT', bool),
-                      ('behavior_logprobs_BxT', np.float32),
-                      ('rewards_BxT', np.float32),
-                      ('slot_ids_B', np.int32)):
+  np.testing.assert_array_equal(batch.positions_BxT, [
+      [0, 1, 2, 3, 4, 5, 6, 0], [0, 1, 2, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch.segment_ids_BxT, [
+      [1, 1, 1, 1, 1, 1, 1, 0], [2, 2, 2, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch.reward_N, [2.5, -1.0])
+  np.testing.assert_array_equal(batch.num_action_tokens_N, [3, 2])
+  np.testing.assert_array_equal(batch.slot_ids_N, [0, 0])  # set by trainer
+  for name, dtype in types.TRAIN_BATCH_DTYPES.items():
     assert getattr(batch, name).dtype == dtype, name
 
 
@@ -980,3 +981,9 @@ def test_assemble_batch_refuses_rows_it_cannot_hold():
     batching.assemble_batch([traj], max_length=8, pad_id=0)
   with pytest.raises(ValueError, match='no trajectories'):
     batching.assemble_batch([], max_length=8, pad_id=0)
+  with pytest.raises(ValueError, match='starts with an action token'):
+    batching.assemble_batch([fake_traj([0], prompt_len=0)], max_length=8,
+                            pad_id=0)
+  with pytest.raises(ValueError, match=r'packed_rows=2 must be in \[0, 1\]'):
+    batching.assemble_batch([fake_traj([0])], max_length=8, pad_id=0,
+                            packed_rows=2)

@@ -32,12 +32,14 @@ _TOKEN_MEANS = ('ratio_mean', 'kl_k1', 'kl_k3', 'frac_below', 'frac_above')
 
 
 def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
-                    aggregation='token_mean', implementation: str = 'auto',
+                    aggregation='token_mean', segment_ids=None,
+                    implementation: str = 'auto',
                     block_b: int | None = None, block_t: int | None = None,
                     interpret: bool | None = None, *, mesh=None):
   """The DIS loss of SAO §1.2; see `reference.dis_policy_loss`.
 
-  Same arguments and results as the reference, plus:
+  Same arguments and results as the reference (`segment_ids`: the
+  trajectories of packed rows, for the sequence mean), plus:
 
   Args:
     implementation: 'auto' (Pallas on TPU, XLA elsewhere), 'xla', or
@@ -52,8 +54,21 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
   name, interpret_off_tpu = dispatch.resolve(implementation)
   if name == 'xla':
     return reference.dis_policy_loss(logp, behavior_logp, advantages, mask,
-                                     eps_low, eps_high, aggregation)
+                                     eps_low, eps_high, aggregation,
+                                     segment_ids)
+  if aggregation not in tokens.AGGREGATIONS:
+    raise ValueError(f'dis_policy_loss: unknown aggregation {aggregation!r};'
+                     f' expected one of {tokens.AGGREGATIONS}')
   interpret = interpret_off_tpu if interpret is None else interpret
+  if aggregation == 'seq_mean_token_mean':
+    # The sequence mean as a weighted token sum (`pallas_tpu`'s docstring):
+    # the weights are global (S counts the whole batch's trajectories), so
+    # the per-shard sums below simply add up. Weighted in float32: bf16
+    # would round each weight to 3 digits (the kernel then reads its inputs
+    # in float32, as the reference computes).
+    weights_BxT = tokens.segment_token_weights(mask, segment_ids)
+    advantages = jnp.asarray(advantages, _F32) * weights_BxT
+    aggregation = 'token_sum'
   if mesh is not None and mesh.size > 1:
     return _per_shard(mesh, logp, behavior_logp, advantages, mask, eps_low,
                       eps_high, aggregation, block_b, block_t, interpret)
@@ -64,9 +79,6 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
 def _pallas(logp, behavior_logp, advantages, mask, eps_low, eps_high,
             aggregation, block_b, block_t, interpret):
   """The Pallas kernel on one device's arrays, arguments checked."""
-  if aggregation not in tokens.AGGREGATIONS:
-    raise ValueError(f'dis_policy_loss: unknown aggregation {aggregation!r};'
-                     f' expected one of {tokens.AGGREGATIONS}')
   mask_BxT, (logp, behavior_logp, advantages) = tokens.check_token_inputs(
       'dis_policy_loss', mask, logp=logp, behavior_logp=behavior_logp,
       advantages=advantages)
@@ -81,9 +93,9 @@ def _per_shard(mesh, logp_BxT, behavior_logp_BxT, advantages_BxT, mask_BxT,
   """The kernel once per batch shard of `mesh`, combined into the global loss.
 
   Each shard's loss is weighted by its share of the aggregation's
-  denominator (masked-in tokens for 'token_mean', non-empty rows for
-  'seq_mean_token_mean'); the weighted sum over shards is the global mean
-  and differentiates like it. Metrics are combined the same way: counts
+  denominator (masked-in tokens for 'token_mean'; 1 for 'token_sum', whose
+  weights are already global); the weighted sum over shards is the global
+  loss and differentiates like it. Metrics are combined the same way: counts
   summed, token means token-weighted, extremes by min / max.
   """
   axes = sharding.BATCH_AXES
@@ -100,8 +112,8 @@ def _per_shard(mesh, logp_BxT, behavior_logp_BxT, advantages_BxT, mask_BxT,
     mask = jnp.asarray(mask).astype(bool)
     if aggregation == 'token_mean':
       share = jnp.sum(mask).astype(_F32)
-    else:  # rows with a masked-in token, as `tokens.aggregate` counts them
-      share = jnp.sum(jnp.any(mask, axis=1)).astype(_F32)
+    else:  # a sum: the shards' sums add up
+      share = jnp.ones((), _F32)
     n = metrics['num_tokens']
     parts = {'loss': loss * share, 'share': share, 'num_tokens': n,
              'ratio_min': jnp.where(n > 0, metrics['ratio_min'], jnp.inf),
@@ -118,7 +130,9 @@ def _per_shard(mesh, logp_BxT, behavior_logp_BxT, advantages_BxT, mask_BxT,
                             logp_BxT, behavior_logp_BxT, advantages_BxT,
                             mask_BxT)
   n = jnp.sum(parts['num_tokens'])
-  loss = jnp.sum(parts['loss']) / jnp.maximum(jnp.sum(parts['share']), 1.0)
+  loss = jnp.sum(parts['loss'])
+  if aggregation == 'token_mean':
+    loss = loss / jnp.maximum(jnp.sum(parts['share']), 1.0)
   metrics = {'num_tokens': n,
              'ratio_min': jnp.where(n > 0, jnp.min(parts['ratio_min']), 1.0),
              'ratio_max': jnp.where(n > 0, jnp.max(parts['ratio_max']), 1.0)}

@@ -6,12 +6,20 @@ KL sums. Time blocks of a row are reduced into a lane-shaped VMEM accumulator
 (`[9, block_b, 128]`: only adds and min/max across vreg columns per block) and
 folded across lanes once, at the row's last block, into a `[B, 128]` output
 whose lane k holds statistic k. The wrapper turns those per-row sums into the
-loss (either aggregation) and the metrics.
+loss and the metrics.
+
+Aggregation. 'token_mean' divides the sum by the batch's action tokens N.
+'token_sum' takes the plain sum: the dispatcher (`api`) computes the
+sequence mean with it, folding each token's weight `1 / (n_s * S)` (its
+trajectory's token count n_s, S trajectories; `tokens.segment_token_weights`)
+into the advantages, which is exact since A_t enters the loss and its
+gradient linearly and the band does not depend on it. So packed rows, whose
+trajectories are segments, need nothing of the kernel but the weights.
 
 Backward: `dL/dlogp_t = g * w_b * c_t` with `c_t = -m_t keep_t ratio_t A_t`. When
 differentiated, the same forward pass also writes c_t (one store per token),
 and the backward is the scale by the row weight w_b (1/N for the token mean,
-1/(n_b R) for the sequence mean): an elementwise op XLA fuses into whatever
+1 for the weighted sum): an elementwise op XLA fuses into whatever
 consumes the gradient. Against a backward kernel that re-reads logp, mu, A
 and the mask, this moves 21 instead of 30 bytes per f32 token.
 """
@@ -186,13 +194,18 @@ def row_stats(logp, mu, adv, mask_i8, eps_low, eps_high, blocks: Blocks,
   return stats, coef
 
 
+AGGREGATIONS = ('token_mean', 'token_sum')
+
+
 def loss_weights(stats, aggregation: str):
   """Row weights w_b with `loss = sum_b w_b * loss_sum_b`."""
   count_B = stats[:, COUNT]
   if aggregation == 'token_mean':
     return jnp.full(count_B.shape, 1.0, _F32) / jnp.maximum(jnp.sum(count_B), 1)
-  rows = jnp.maximum(jnp.sum(count_B > 0), 1)
-  return jnp.where(count_B > 0, 1.0 / (jnp.maximum(count_B, 1) * rows), 0.0)
+  if aggregation == 'token_sum':
+    return jnp.ones(count_B.shape, _F32)
+  raise ValueError(f'dis_loss kernel: unknown aggregation {aggregation!r};'
+                   f' expected one of {AGGREGATIONS}')
 
 
 def metrics_from_stats(stats):

@@ -15,7 +15,7 @@ from sao_jax.rl import tokens
 
 
 def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
-                    aggregation='token_mean'):
+                    aggregation='token_mean', segment_ids=None):
   """Direct double-sided importance sampling loss (SAO §1.2, paper eq. 1-3).
 
   The ratio is taken directly against the rollout engine's own logprob mu_t
@@ -28,7 +28,7 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
 
   so `dL/dlogp_t = -m_t * keep_t * A_t * ratio_t / N`. With
   `aggregation="seq_mean_token_mean"` the per-token terms are averaged per
-  trajectory first.
+  trajectory first (per segment of a packed row: `segment_ids`).
 
   Args:
     logp: float `[B, T]` log pi_theta(a_t | s_t) under the learner's parameters.
@@ -38,6 +38,8 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
     eps_low: lower band width; the band starts at 1 - eps_low (paper: 0.3).
     eps_high: upper band width; the band ends at 1 + eps_high (paper: 5.0).
     aggregation: one of `tokens.AGGREGATIONS`.
+    segment_ids: int `[B, T]` (`TrainBatch.segment_ids_BxT`), the
+      trajectories of packed rows; None: one per row.
 
   Returns:
     `(loss, metrics)`: the scalar loss and a dict of float32 scalars:
@@ -67,7 +69,7 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
   # truncated sampling distribution) must not turn 0 * -inf into NaN.
   kept_logp_BxT = jnp.where(keep_BxT, logp_BxT, 0.0)
   loss = tokens.aggregate(-coef_BxT * adv_BxT * kept_logp_BxT, mask_BxT,
-                          aggregation)
+                          aggregation, segment_ids)
 
   metrics = tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
   count = jnp.maximum(metrics['num_tokens'], 1.0)

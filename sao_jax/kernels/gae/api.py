@@ -24,6 +24,7 @@ P = jax.sharding.PartitionSpec
 
 
 def skip_observation_gae(rewards, values, action_mask, gamma, lam,
+                         segment_ids=None,
                          implementation: str = 'auto',
                          block_b: int | None = None,
                          block_t: int | None = None,
@@ -34,7 +35,9 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam,
     rewards, values: float `[B, T]` (f32 or bf16).
     action_mask: bool or 0/1 `[B, T]`.
     gamma: scalar discount.
-    lam: scalar or float32 `[B]` lambda.
+    lam: scalar, float32 `[B]` or `[B, T]` lambda.
+    segment_ids: int `[B, T]`, the trajectories of packed rows (the
+      recursion restarts at each); None: one per row.
     implementation: 'auto' (Pallas on TPU, XLA elsewhere), 'xla', or
       'pallas' (interpret mode off TPU).
     block_b, block_t: Pallas block sizes (multiples of 128).
@@ -51,31 +54,38 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam,
   name, interpret_off_tpu = dispatch.resolve(implementation)
   if name == 'xla':
     return reference.skip_observation_gae(rewards, values, action_mask, gamma,
-                                          lam)
+                                          lam, segment_ids)
   interpret = interpret_off_tpu if interpret is None else interpret
+  where = 'skip_observation_gae'
+  mask, gamma, lam = reference.check_gae_inputs(where, rewards, values,
+                                                action_mask, gamma, lam)
+  # One int8 input carries both the action mask and the segment ends (bit
+  # 1): packing costs the kernel no extra read.
+  code_i8 = mask.astype(jnp.int8)
+  if segment_ids is not None:
+    ends = reference.segment_ends(where, segment_ids, mask.shape)
+    code_i8 = code_i8 + 2 * ends.astype(jnp.int8)
   if mesh is None or mesh.size == 1:
-    return _pallas(rewards, values, action_mask, gamma, lam, block_b, block_t,
+    return _pallas(rewards, values, code_i8, gamma, lam, block_b, block_t,
                    interpret)
-  lam_B = jnp.broadcast_to(jnp.asarray(lam, _F32), jnp.shape(rewards)[:1])
   rows, token_spec = P(sharding.BATCH_AXES), P(sharding.BATCH_AXES, None)
 
-  def local(rewards, values, mask, lam_local):
-    return _pallas(rewards, values, mask, gamma, lam_local, block_b, block_t,
+  def local(rewards, values, code, lam_local):
+    return _pallas(rewards, values, code, gamma, lam_local, block_b, block_t,
                    interpret)
 
-  return jax.shard_map(local, mesh=mesh,
-                       in_specs=(token_spec, token_spec, token_spec, rows),
-                       out_specs=(token_spec, token_spec), check_vma=False)(
-                           rewards, values, action_mask, lam_B)
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(token_spec, token_spec, token_spec,
+                token_spec if lam.ndim == 2 else rows),
+      out_specs=(token_spec, token_spec), check_vma=False)(
+          rewards, values, code_i8, lam)
 
 
-def _pallas(rewards, values, action_mask, gamma, lam, block_b, block_t,
+def _pallas(rewards, values, code_i8, gamma, lam, block_b, block_t,
             interpret):
-  """The Pallas kernel on one device's arrays, arguments checked."""
-  mask, gamma, lam_B = reference.check_gae_inputs(
-      'skip_observation_gae', rewards, values, action_mask, gamma, lam)
+  """The Pallas kernel on one device's (checked) arrays."""
   dtype = jnp.result_type(rewards, values)
   return pallas_tpu.skip_observation_gae(
-      jnp.asarray(rewards, dtype), jnp.asarray(values, dtype),
-      mask.astype(jnp.int8), gamma, lam_B, block_b=block_b, block_t=block_t,
-      interpret=interpret)
+      jnp.asarray(rewards, dtype), jnp.asarray(values, dtype), code_i8,
+      gamma, lam, block_b=block_b, block_t=block_t, interpret=interpret)

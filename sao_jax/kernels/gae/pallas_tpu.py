@@ -16,7 +16,9 @@ the first action token at or after t and na_t its advantage. Both follow
       delta_t = r_t + gamma * nv_{t+1} - V_t
 
 (a non-action token passes the carry through: that is the skip over
-observations). Each 8-row tile (one vreg of time steps) is solved with a
+observations). The last token of a trajectory (marked in the mask: packed
+rows hold several) has a = 0 and nv_{t+1} = 0: nothing carries from one
+trajectory into the one before it. Each 8-row tile (one vreg of time steps) is solved with a
 3-step log-depth scan of (a, b) pairs built from sublane rolls, then joined to
 the carry from the tile after it; tiles are walked in reverse.
 """
@@ -61,7 +63,7 @@ def _reverse_affine_scan(a, b):
 def _gae_kernel(gamma_ref, lam_ref, rewards_ref, values_ref, mask_ref,
                 adv_ref, ret_ref,
                 rewards_s, values_s, mask_s, adv_s, ret_s,
-                next_value_s, next_adv_s):
+                next_value_s, next_adv_s, *lam_s, per_token_lam):
   block_t, block_b = rewards_s.shape
   num_tiles = block_t // _TILE
 
@@ -72,24 +74,34 @@ def _gae_kernel(gamma_ref, lam_ref, rewards_ref, values_ref, mask_ref,
 
   rewards_s[...] = rewards_ref[...].astype(_F32).T
   values_s[...] = values_ref[...].astype(_F32).T
+  # int8 compares are not supported on every TPU generation: widen first.
   mask_s[...] = mask_ref[...].astype(_F32).T
   gamma = gamma_ref[0]
-  gamma_lam = jnp.broadcast_to(gamma * lam_ref[...], (_TILE, block_b))
+  if per_token_lam:
+    lam_s[0][...] = lam_ref[...].astype(_F32).T
+  else:
+    gamma_lam_row = jnp.broadcast_to(gamma * lam_ref[...], (_TILE, block_b))
 
   def tile(i, carry):
     value_in, adv_in = carry  # V and A of the first action after this tile
     rows = pl.ds(pl.multiple_of((num_tiles - 1 - i) * _TILE, _TILE), _TILE)
     reward, value = rewards_s[rows, :], values_s[rows, :]
-    is_action = mask_s[rows, :] > 0
-    a, b = _reverse_affine_scan(jnp.where(is_action, 0.0, 1.0),
+    code = mask_s[rows, :]  # action + 2 * (last token of its segment)
+    is_end = code >= 2.0
+    is_action = jnp.where(is_end, code - 2.0, code) > 0
+    gamma_lam = gamma * lam_s[0][rows, :] if per_token_lam else gamma_lam_row
+    # A segment's last token takes nothing from the token after it.
+    a, b = _reverse_affine_scan(jnp.where(is_action | is_end, 0.0, 1.0),
                                 jnp.where(is_action, value, 0.0))
     value_at = b + a * value_in  # V of the first action at or after t
     row = jax.lax.broadcasted_iota(jnp.int32, value_at.shape, 0)
     value_next = jnp.where(row < _TILE - 1,
                            pltpu.roll(value_at, _TILE - 1, 0), value_in)
+    value_next = jnp.where(is_end, 0.0, value_next)
     delta = reward + gamma * value_next - value
-    a, b = _reverse_affine_scan(jnp.where(is_action, gamma_lam, 1.0),
-                                jnp.where(is_action, delta, 0.0))
+    a, b = _reverse_affine_scan(
+        jnp.where(is_end, 0.0, jnp.where(is_action, gamma_lam, 1.0)),
+        jnp.where(is_action, delta, 0.0))
     adv_at = b + a * adv_in
     adv = jnp.where(is_action, adv_at, 0.0)
     adv_s[rows, :] = adv
@@ -105,16 +117,18 @@ def _gae_kernel(gamma_ref, lam_ref, rewards_ref, values_ref, mask_ref,
   ret_ref[...] = ret_s[...].T
 
 
-def vmem_bytes(block_b: int, block_t: int, in_dtype) -> int:
+def vmem_bytes(block_b: int, block_t: int, in_dtype,
+               per_token_lam: bool = False) -> int:
   """VMEM the kernel holds at one block size."""
   block = block_b * block_t
+  lam = block * 4 if per_token_lam else block_b * 4
   buffers = 2 * (2 * block * tiling.itemsize(in_dtype) + block  # r, v, mask
-                 + 2 * block * 4 + block_b * 4)  # adv, ret, lam
-  scratch = 5 * block * 4 + 2 * _TILE * block_b * 4
+                 + 2 * block * 4 + lam)  # adv, ret, lam
+  scratch = (5 + per_token_lam) * block * 4 + 2 * _TILE * block_b * 4
   return buffers + scratch
 
 
-def skip_observation_gae(rewards, values, mask_i8, gamma, lam_B, *,
+def skip_observation_gae(rewards, values, mask_i8, gamma, lam, *,
                          block_b: int | None = None,
                          block_t: int | None = None,
                          interpret: bool = False):
@@ -122,9 +136,12 @@ def skip_observation_gae(rewards, values, mask_i8, gamma, lam_B, *,
 
   Args:
     rewards, values: float `[B, T]` (f32 or bf16).
-    mask_i8: int8 `[B, T]` action mask.
+    mask_i8: int8 `[B, T]`: 1 on actions, plus 2 on the last token of each
+      trajectory (where the recursion restarts: segments of packed rows);
+      the row's own last token needs no mark.
     gamma: scalar.
-    lam_B: float32 `[B]`.
+    lam: float32 `[B]` (per row) or `[B, T]` (per token, one more input
+      read: 4 bytes a token).
     block_b, block_t: block sizes (multiples of 128); defaults fit the input.
     interpret: run in Pallas interpret mode (off TPU).
   """
@@ -135,8 +152,10 @@ def skip_observation_gae(rewards, values, mask_i8, gamma, lam_B, *,
   if block_b % tiling.LANES:
     raise ValueError(f'gae kernel: block_b={block_b} must be a multiple of'
                      f' {tiling.LANES} (trajectories fill the lanes)')
+  per_token_lam = lam.ndim == 2
   tiling.check_block('gae kernel', block_b, block_t, tiling.INT8_SUBLANES,
-                     vmem_bytes(block_b, block_t, rewards.dtype))
+                     vmem_bytes(block_b, block_t, rewards.dtype,
+                                per_token_lam))
   padded_b = tiling.round_up(batch, block_b)
   padded_t = tiling.round_up(length, block_t)
   num_t = padded_t // block_t
@@ -149,13 +168,20 @@ def skip_observation_gae(rewards, values, mask_i8, gamma, lam_B, *,
   scratch = [pltpu.VMEM((block_t, block_b), _F32)] * 5
   scratch += [pltpu.VMEM((_TILE, block_b), _F32)] * 2
   in_bytes = rewards.dtype.itemsize * 2 + 1
+  if per_token_lam:
+    scratch.append(pltpu.VMEM((block_t, block_b), _F32))
+    lam_spec = block
+    lam_in = tiling.pad_to(lam, padded_b, padded_t)
+    in_bytes += 4
+  else:
+    lam_spec = pl.BlockSpec((1, block_b), lambda b, j: (0, b))
+    lam_in = tiling.pad_to(lam[None, :], 1, padded_b)
   call = pl.pallas_call(
-      _gae_kernel,
+      functools.partial(_gae_kernel, per_token_lam=per_token_lam),
       out_shape=(out_shape, out_shape),
       grid=(padded_b // block_b, num_t),
       in_specs=[
-          pl.BlockSpec(memory_space=pltpu.SMEM),
-          pl.BlockSpec((1, block_b), lambda b, j: (0, b)),
+          pl.BlockSpec(memory_space=pltpu.SMEM), lam_spec,
           block, block, block,
       ],
       out_specs=(block, block),
@@ -171,7 +197,6 @@ def skip_observation_gae(rewards, values, mask_i8, gamma, lam_B, *,
   )
   pad = functools.partial(tiling.pad_to, rows=padded_b, cols=padded_t)
   adv, ret = call(
-      jnp.reshape(jnp.asarray(gamma, _F32), (1,)),
-      tiling.pad_to(lam_B[None, :], 1, padded_b),
+      jnp.reshape(jnp.asarray(gamma, _F32), (1,)), lam_in,
       pad(rewards), pad(values), pad(mask_i8))
   return adv[:batch, :length], ret[:batch, :length]
