@@ -3,6 +3,7 @@
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +175,30 @@ def test_auto_layer_loop_unrolls_shallow_stacks_off_tpu():
   assert cfg.replace(layer_loop='unroll').unroll_layers('tpu')
   with pytest.raises(ValueError, match='layer_loop'):
     cfg.replace(layer_loop='loop')
+
+
+@pytest.mark.parametrize('layer_loop', ['scan', 'unroll'])
+def test_remat_changes_no_value_and_no_gradient(layer_loop):
+  """Recomputing activations in the backward pass (the demo's setting) is
+  invisible to the loss and its gradient."""
+  cfg = model_config.ModelConfig('qwen2', 50, 32, 48, 3, 4, 2, 8,
+                                 qkv_bias=True, layer_loop=layer_loop)
+  tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 50)
+
+  def loss_and_grads(remat):
+    model = transformer.init_causal_lm(cfg.replace(remat=remat), seed=3)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * logits[..., 1])
+
+    return jax.value_and_grad(loss)(params)
+
+  (plain_loss, plain_grads), (remat_loss, remat_grads) = (
+      loss_and_grads(False), loss_and_grads(True))
+  np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
+  chex.assert_trees_all_close(remat_grads, plain_grads, atol=1e-6)
 
 
 def test_every_parameter_has_logical_axes():
