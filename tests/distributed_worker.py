@@ -56,6 +56,12 @@ def main():
     full = test_learner.fake_batch(seed)
     mine = jax.tree.map(lambda x: x[process_id * rows:(process_id + 1) * rows],
                         full)
+    # A process assembles its own trajectories, numbered from 1
+    # (`Learner.device_batch` moves them past the other processes'); this
+    # slice of the whole batch carries the whole batch's numbers.
+    ids = mine.segment_ids_BxT
+    mine = mine.replace(segment_ids_BxT=np.where(
+        ids > 0, ids - process_id * rows, 0).astype(np.int32))
     state, metrics = learner.train_step(state, learner.device_batch(mine))
     # Metrics are replicated: every process holds the whole value.
     losses.append({k: float(v.addressable_data(0))
