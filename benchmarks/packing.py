@@ -150,11 +150,15 @@ def padding_stats(lengths: Lengths, num: int, rows: list[int], samples: int,
 
 
 class Step:
-  """The SAO learner's full step on a list of (host) batches, cycled."""
+  """The SAO learner's full step on a list of (host) batches, cycled.
 
-  def __init__(self, learner, batches):
+  `initial` is a host copy of the learner's initial state: each contender
+  donates its own placed copy, and init_state() can be called only once.
+  """
+
+  def __init__(self, learner, initial, batches):
     self.learner = learner
-    self.state = learner.init_state()
+    self.state = jax.device_put(initial, learner.state_shardings)
     self.batches = [learner.device_batch(b) for b in batches]
     self.real_tokens = [int(np.sum(b.input_mask_BxT)) for b in batches]
     self.calls = 0
@@ -199,8 +203,9 @@ def learner_speed(lengths: Lengths, num: int, rows: list[int], cfg, args,
                                      lengths.max_length, min(rows)):
       drawn.append(trajs)
   layouts = {'unpacked': 0, **{f'packed_{r}': r for r in rows}}
+  initial = jax.tree.map(np.asarray, learner.init_state())
   contenders = {
-      name: Step(learner, [batching.assemble_batch(t, lengths.max_length, 0, r)
+      name: Step(learner, initial, [batching.assemble_batch(t, lengths.max_length, 0, r)
                            for t in drawn])
       for name, r in layouts.items()}
   for fn in contenders.values():  # compile and warm up
