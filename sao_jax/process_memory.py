@@ -4,7 +4,8 @@
 another process's (a local rollout server). Off Linux both are NaN, so the
 metrics exist everywhere and read as missing where nobody can measure them.
 `release_freed_arrays()` keeps freed host arrays from staying resident (the
-trainer and the rollout server call it first thing).
+trainer and the rollout server call it first thing); `return_free_pages()`
+hands back what the allocator holds free between phases of a run.
 """
 
 from __future__ import annotations
@@ -53,3 +54,23 @@ def release_freed_arrays(threshold_bytes: int = 1 << 20) -> bool:
   mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
   return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
               and mallopt(_M_TRIM_THRESHOLD, threshold_bytes))
+
+
+def return_free_pages() -> bool:
+  """Returns the C allocator's free pages to the system (glibc `malloc_trim`).
+
+  XLA:CPU's buffers are allocated and freed by its worker threads, each with
+  its own glibc arena; a phase's freed buffers stay resident in those arenas
+  (the automatic trim only releases a heap's free top) and the next phase,
+  allocating from other threads, piles its own on top. On the demo's learner
+  (SmolLM2, K = 2) the resident set after four train steps is 4.5 GiB with
+  2.6 GiB of live arrays; `malloc_trim(0)` brings it to 3.1 GiB. It walks the
+  heaps (milliseconds), so it belongs between phases, not inside a loop of
+  small steps. A no-op (False) where the C library is not glibc.
+  """
+  try:
+    trim = ctypes.CDLL(None).malloc_trim
+  except (OSError, AttributeError):
+    return False
+  trim.argtypes = (ctypes.c_size_t,)
+  return bool(trim(0))

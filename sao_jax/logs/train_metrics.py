@@ -56,10 +56,12 @@ def batch_metrics(trajectories: Sequence[types.Trajectory],
 class MemoryPhases:
   """The learner process's resident memory after each phase of the run.
 
-  `mark(phase)` records the resident set now (`memory/<phase>_rss_gb`) and
-  the peak so far (`memory/<phase>_peak_rss_gb`, VmHWM: it only grows, so
-  the phase after which it first reaches its final value is the one that set
-  it). `metrics()` returns what was marked since its last call, plus the
+  `mark(phase)` ends a phase: it returns the allocator's free pages to the
+  system (`process_memory.return_free_pages`: what one phase freed must not
+  stay resident under the next) and records the resident set now
+  (`memory/<phase>_rss_gb`) and the peak so far (`memory/<phase>_peak_rss_gb`,
+  VmHWM: it only grows, so the phase after which it first reaches its final
+  value is the one that set it). `metrics()` returns what was marked since its last call, plus the
   peak now, for the step's record.
   """
 
@@ -67,6 +69,7 @@ class MemoryPhases:
     self._marked: dict[str, float] = {}
 
   def mark(self, phase: str) -> None:
+    process_memory.return_free_pages()
     rss, peak = process_memory.usage()
     self._marked[f'memory/{phase}_rss_gb'] = rss
     self._marked[f'memory/{phase}_peak_rss_gb'] = peak
