@@ -30,8 +30,9 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m sao_jax.train --config=configs/default.py --workdir=$(WORKDIR)
 
 # Two pytest workers (pytest-xdist), slow tests first, work stealing at the
-# end: 714 tests in 11.1 min on this 2-core VM (2026-12-01; CI machines are
-# slower: 19.3 min there for the previous layout without the reordering).
+# end, one XLA compilation cache for the session (tests/conftest.py): 774
+# tests in 15.5 min on this 2-core VM from a cold cache (2026-12-02; 23.2 min
+# the same day without the cache; CI's run of that took 39.6 min).
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)

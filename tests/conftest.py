@@ -23,6 +23,17 @@ os.environ.setdefault('XLA_FLAGS', ' '.join([
     '--xla_cpu_collective_timeout_seconds=900',
 ]))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# One persistent XLA compilation cache for the session's processes: the
+# xdist workers, and the trainers, servers and benchmarks the tests start
+# (they inherit the environment). Dozens of tests compile the same tiny
+# programs; a cache hit skips XLA, never the program (the key covers the
+# HLO, the compile options and flags, and the jax version). A tiny training
+# run as tests/test_faults.py starts it: 30 s cold, 17 s warm. Under the
+# ignored .pytest_cache, so a clean clone starts cold.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    '.pytest_cache', 'xla'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 # The TPU compile tests load libtpu (compile-only); subprocesses that do too
 # (benchmark quick modes) would otherwise fail on libtpu's process lock.
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')

@@ -100,25 +100,17 @@ def test_server_stress_benchmark_quick(tmp_path):
   assert result['requests'] == result['completed'] + result['cancelled']
 
 
-@pytest.fixture(scope='module')
-def compile_cache(tmp_path_factory):
-  """One XLA compilation cache for the module's benchmark runs.
+def _quick(script, tmp_path, timeout=600):
+  """Runs `benchmarks/<script> --quick` in tmp_path; its JSON and stdout.
 
-  Their tiny runs compile the same train step; sharing the cache, as a
-  benchmark's own runs do, keeps each quick mode near a minute.
+  Its runs share the suite's XLA compilation cache (tests/conftest.py).
   """
-  return str(tmp_path_factory.mktemp('jax_compile_cache'))
-
-
-def _quick(script, tmp_path, compile_cache, timeout=600):
-  """Runs `benchmarks/<script> --quick` in tmp_path; its JSON and stdout."""
   out, plot = tmp_path / 'result.json', tmp_path / 'plot.png'
   proc = subprocess.run(
       [sys.executable, f'benchmarks/{script}', '--quick', f'--out={out}',
        f'--plot={plot}', f'--workdir={tmp_path / "runs"}'],
       cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT,
-               JAX_COMPILATION_CACHE_DIR=compile_cache))
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert plot.stat().st_size > 10_000  # a PNG with curves, not an empty one
   result = json.loads(out.read_text())
@@ -139,8 +131,8 @@ def _check_run(run, steps, batch_size=16):
 
 
 @pytest.mark.slow
-def test_algorithms_benchmark_quick(tmp_path, compile_cache):
-  result, stdout = _quick('algorithms.py', tmp_path, compile_cache)
+def test_algorithms_benchmark_quick(tmp_path):
+  result, stdout = _quick('algorithms.py', tmp_path)
   assert [r['variant'] for r in result['runs']] == ['sao', 'grpo']
   for run in result['runs']:
     _check_run(run, 3)
@@ -167,8 +159,8 @@ def test_algorithms_benchmark_quick(tmp_path, compile_cache):
 
 
 @pytest.mark.slow
-def test_staleness_benchmark_quick(tmp_path, compile_cache):
-  result, stdout = _quick('staleness.py', tmp_path, compile_cache)
+def test_staleness_benchmark_quick(tmp_path):
+  result, stdout = _quick('staleness.py', tmp_path)
   runs = {r['variant']: r for r in result['runs']}
   assert set(runs) == {'sao staleness=0', 'sao staleness=4'}
   for run in runs.values():
@@ -179,8 +171,8 @@ def test_staleness_benchmark_quick(tmp_path, compile_cache):
 
 
 @pytest.mark.slow
-def test_ablations_benchmark_quick(tmp_path, compile_cache):
-  result, _ = _quick('ablations.py', tmp_path, compile_cache)
+def test_ablations_benchmark_quick(tmp_path):
+  result, _ = _quick('ablations.py', tmp_path)
   runs = {r['variant']: r for r in result['runs']}
   assert set(runs) == {'K=1', '3 turns: naive GAE'}
   for run in runs.values():
@@ -190,8 +182,8 @@ def test_ablations_benchmark_quick(tmp_path, compile_cache):
 
 
 @pytest.mark.slow
-def test_online_benchmark_quick(tmp_path, compile_cache):
-  result, stdout = _quick('online.py', tmp_path, compile_cache)
+def test_online_benchmark_quick(tmp_path):
+  result, stdout = _quick('online.py', tmp_path)
   assert set(result['per_switch']) == {'sao', 'running_mean (W=128)'}
   for run in result['runs']:
     _check_run(run, 6)
@@ -200,8 +192,8 @@ def test_online_benchmark_quick(tmp_path, compile_cache):
 
 
 @pytest.mark.slow
-def test_async_speedup_benchmark_quick(tmp_path, compile_cache):
-  result, stdout = _quick('async_speedup.py', tmp_path, compile_cache)
+def test_async_speedup_benchmark_quick(tmp_path):
+  result, stdout = _quick('async_speedup.py', tmp_path)
   runs = {r['variant']: r for r in result['runs']}
   assert set(runs) == {'sync', 'async'}
   for run in runs.values():

@@ -25,6 +25,7 @@ from concurrent import futures
 
 import grpc
 
+from sao_jax import process_memory
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import weight_sync
@@ -163,6 +164,10 @@ class RolloutServer:
       await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f'cannot load {path}: {e}')
     self.engine.weights.swap(state, version)
+    del state
+    # The restore's staging buffers, freed by orbax's threads, would stay
+    # resident in their arenas until the next push.
+    process_memory.return_free_pages()
     seconds = time.perf_counter() - start
     self._swaps.append(seconds)
     _log.info('now serving policy version %d (loaded in %.3f s)', version,
