@@ -306,7 +306,12 @@ def get_config(arg=None):
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 11  # also every N policy steps; 0: at the start and end only
   c.eval.at_start = True  # evaluate the untrained policy first
-  c.eval.max_new_tokens = 16  # per held-out reply
+  # Per held-out reply: the rollouts' budget, so that the held-out score
+  # judges replies as training rewarded them. With 16 (4 more than training)
+  # a demo run that drifted to run-on replies ("3 + 8 = 11. The answer to
+  # 3 + ", cut at 12 tokens in training with 11 as the last number) scored
+  # 0.18 held-out at a training reward of 0.75 (BENCHMARKS.md, main job).
+  c.eval.max_new_tokens = 12
   # 0: greedy, accuracy of the policy's mode. > 0 samples each held-out reply
   # at this temperature (key from seed and step): the accuracy of the policy's
   # distribution, which keeps moving after the mode is already right.
@@ -316,7 +321,11 @@ def get_config(arg=None):
   # Orbax checkpoints in workdir/checkpoints; a workdir resumes where it was.
   #   every: save every N policy steps (and on SIGTERM)
   #   max_to_keep: newest checkpoints kept
-  c.checkpoint = ml_collections.ConfigDict(dict(every=10, max_to_keep=2))
+  #   write_concurrent_gb: most GB of the state being written at once (the
+  #     background write's encode buffers: unbounded they added 1.9 GiB to
+  #     the demo's learner for the seconds of a save, at 1 GB 0.7 GiB)
+  c.checkpoint = ml_collections.ConfigDict(dict(every=10, max_to_keep=2,
+                                                write_concurrent_gb=1))
   # Logs (metrics.jsonl is always written):
   #   tensorboard: also write workdir/tensorboard
   #   progress: show a progress bar over policy steps

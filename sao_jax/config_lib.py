@@ -201,6 +201,7 @@ def validate(config: ml_collections.ConfigDict,
   check.non_negative('eval.temperature')
   check.positive_int('checkpoint.every')
   check.positive_int('checkpoint.max_to_keep')
+  check.positive_int('checkpoint.write_concurrent_gb')
   check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)

@@ -101,7 +101,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   ckpt = checkpointing.Checkpointer(
       os.path.join(workdir, 'checkpoints'),
       max_to_keep=config.checkpoint.max_to_keep,
-      save_interval_steps=config.checkpoint.every)
+      save_interval_steps=config.checkpoint.every,
+      write_concurrent_gb=config.checkpoint.write_concurrent_gb)
   resume = ckpt.latest_step() is not None
   # A resumed learner needs only the state's shapes: no copy of the initial
   # weights for the critic.
