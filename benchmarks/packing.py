@@ -205,8 +205,9 @@ def learner_speed(lengths: Lengths, num: int, rows: list[int], cfg, args,
   layouts = {'unpacked': 0, **{f'packed_{r}': r for r in rows}}
   initial = jax.tree.map(np.asarray, learner.init_state())
   contenders = {
-      name: Step(learner, initial, [batching.assemble_batch(t, lengths.max_length, 0, r)
-                           for t in drawn])
+      name: Step(learner, initial,
+                 [batching.assemble_batch(t, lengths.max_length, 0, r)
+                  for t in drawn])
       for name, r in layouts.items()}
   for fn in contenders.values():  # compile and warm up
     fn()

@@ -61,8 +61,8 @@ class MemoryPhases:
   stay resident under the next) and records the resident set now
   (`memory/<phase>_rss_gb`) and the peak so far (`memory/<phase>_peak_rss_gb`,
   VmHWM: it only grows, so the phase after which it first reaches its final
-  value is the one that set it). `metrics()` returns what was marked since its last call, plus the
-  peak now, for the step's record.
+  value is the one that set it). `metrics()` returns what was marked since
+  its last call, plus the peak now, for the step's record.
   """
 
   def __init__(self):
