@@ -30,6 +30,16 @@ def usage(pid: int | str = 'self') -> tuple[float, float]:
   return fields.get('VmRSS', math.nan), fields.get('VmHWM', math.nan)
 
 
+def _glibc(name: str, *argtypes):
+  """The C library's function `name` with `argtypes`, or None off glibc."""
+  try:
+    fn = getattr(ctypes.CDLL(None), name)
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = argtypes
+  return fn
+
+
 # glibc's mallopt parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -46,12 +56,9 @@ def release_freed_arrays(threshold_bytes: int = 1 << 20) -> bool:
   own mappings, returned to the system when freed, and trims the heap's free
   top above it. A no-op (False) where the C library is not glibc.
   """
-  try:
-    libc = ctypes.CDLL(None)
-    mallopt = libc.mallopt
-  except (OSError, AttributeError):
+  mallopt = _glibc('mallopt', ctypes.c_int, ctypes.c_int)
+  if mallopt is None:
     return False
-  mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
   return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
               and mallopt(_M_TRIM_THRESHOLD, threshold_bytes))
 
@@ -68,9 +75,5 @@ def return_free_pages() -> bool:
   heaps (milliseconds), so it belongs between phases, not inside a loop of
   small steps. A no-op (False) where the C library is not glibc.
   """
-  try:
-    trim = ctypes.CDLL(None).malloc_trim
-  except (OSError, AttributeError):
-    return False
-  trim.argtypes = (ctypes.c_size_t,)
-  return bool(trim(0))
+  trim = _glibc('malloc_trim', ctypes.c_size_t)
+  return trim is not None and bool(trim(0))
