@@ -56,6 +56,19 @@ def test_learner_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_layouts_benchmark_quick(tmp_path):
+  out = tmp_path / 'layouts.json'
+  proc = _script('benchmarks/layouts.py', '--quick', f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads(out.read_text())['results']
+  assert set(results) == {'projection', 'mlp', 'attention'}
+  for r in results.values():
+    # Each pair is one function written two ways.
+    assert r['max_abs_diff'] < 1e-4
+    assert all(ms > 0 for v in r['ms'].values() for ms in v)
+  assert '| attention | heads_inner |' in proc.stdout
+
+
 def test_packing_benchmark_quick(tmp_path):
   out = tmp_path / 'packing.json'
   proc = _script('benchmarks/packing.py', '--quick', f'--out={out}')

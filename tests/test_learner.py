@@ -352,3 +352,23 @@ def test_critic_optimizer_restarts_after_value_pretraining(one_device):
   # pretrained weights kept.
   chex.assert_trees_all_equal(flat(learner.state.critic_opt), fresh)
   chex.assert_trees_all_equal(flat(learner.state.critic), trained)
+
+
+def test_k_critic_updates_are_k_critic_steps(one_device):
+  # SAO's K = 2 critic updates per policy update, run inside one train step
+  # (one loop body), leave the critic where K separate critic steps on the
+  # same batch do: the returns are Monte-Carlo, so no update sees another's
+  # values.
+  learner = one_device()
+  assert learner.config.critic.steps_per_policy_step == 2
+  batch = learner.device_batch(fake_batch(0))
+  learner.state, _ = learner.train_step(learner.state, batch)
+  in_step = flat(learner.state.critic)
+  learner = one_device()
+  for _ in range(2):
+    learner.state, _ = learner.critic_step(learner.state, batch)
+  stepwise = flat(learner.state.critic)
+  assert set(in_step) == set(stepwise)
+  for key, value in in_step.items():
+    np.testing.assert_allclose(value, stepwise[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)

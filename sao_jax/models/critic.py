@@ -39,8 +39,8 @@ class ValueModel(nnx.Module):
       positions = transformer.default_positions(tokens, input_mask)
     hidden, _ = self.decoder(
         tokens, positions, transformer.attention_mask(input_mask, segment_ids))
-    values = jnp.einsum('btd,d->bt', hidden.astype(jnp.float32),
-                        self.value_head[...])
+    values = transformer.dense(hidden.astype(jnp.float32),
+                               self.value_head[...][:, None])[..., 0]
     return values + self.value_bias[...]
 
 

@@ -17,6 +17,8 @@ The same `Decoder.__call__` serves three modes:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,6 +33,25 @@ _NEG_INF = -1e30  # Finite: a fully masked row (padding) must not become NaN.
 
 def _param(rngs, shape, axes, dtype, init=jax.nn.initializers.normal(0.02)):
   return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def dense(x, kernel, contract: int = 1, preferred_element_type=None):
+  """`x` times `kernel` over x's last `contract` axes, as one 2-D matmul.
+
+  `x [..., *in]` and `kernel [*in, *out]` give `[..., *out]`. The leading
+  (batch, time) axes are flattened into one row axis, so that the backward
+  pass's weight gradient is a plain `[in, N] x [N, out]` matmul: written as a
+  3-D einsum it contracts over both batch and time, which XLA:CPU runs at
+  half the speed (docs/design/learner_speed.md). On TPU the reshapes are bitcasts.
+  """
+  lead, inner = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
+  if kernel.shape[:contract] != inner:
+    raise ValueError(f'dense: x {x.shape} does not contract with kernel'
+                     f' {kernel.shape} over {contract} axes')
+  size = math.prod(inner)
+  y = jnp.matmul(x.reshape(-1, size), kernel.reshape(size, -1),
+                 preferred_element_type=preferred_element_type)
+  return y.reshape(lead + kernel.shape[contract:])
 
 
 class RMSNorm(nnx.Module):
@@ -84,7 +105,7 @@ class Attention(nnx.Module):
     self.dtype = cfg.compute_dtype
 
   def _project(self, x, kernel, bias):
-    y = jnp.einsum('btd,dnh->btnh', x, kernel[...].astype(self.dtype))
+    y = dense(x, kernel[...].astype(self.dtype))
     return y if bias is None else y + bias[...].astype(self.dtype)
 
   def __call__(self, x_BxTxd, cos_BxTxD, sin_BxTxD, mask_BxTxS,
@@ -109,22 +130,34 @@ class Attention(nnx.Module):
       values = write(cache_v, v_BxTxKxD, write_index_B)
     out_BxTxHxD = attend(q_BxTxHxD, keys.astype(self.dtype),
                          values.astype(self.dtype), mask_BxTxS)
-    y_BxTxd = jnp.einsum('btnh,nhd->btd', out_BxTxHxD,
-                         self.o_proj[...].astype(self.dtype))
+    y_BxTxd = dense(out_BxTxHxD, self.o_proj[...].astype(self.dtype), 2)
     return y_BxTxd, (keys, values)
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-  """Softmax attention of H query heads over K shared key/value heads."""
+  """Softmax attention of H query heads over K shared key/value heads.
+
+  Heads go first and each key/value head's G query heads are stacked along
+  the query axis, so both products are plain batched matmuls
+  `[B K] x [(G T), D] x [D, S]`: with the heads between batch and time,
+  XLA:CPU ran the backward 1.7x slower (docs/design/learner_speed.md).
+  """
   b, t, h, d = q_BxTxHxD.shape
   kv_heads = k_BxSxKxD.shape[2]
-  q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
-  scores = jnp.einsum('btkgd,bskd->bkgts', q_BxTxKxGxD, k_BxSxKxD,
+  groups = h // kv_heads
+  q_BxKxQxD = q_BxTxHxD.reshape(b, t, kv_heads, groups, d).transpose(
+      0, 2, 3, 1, 4).reshape(b, kv_heads, groups * t, d)
+  k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3)
+  v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3)
+  scores = jnp.einsum('bkqd,bksd->bkqs', q_BxKxQxD, k_BxKxSxD,
                       preferred_element_type=_F32) * (d ** -0.5)
-  scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
-  out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxD)
-  return out.reshape(b, t, h, d)
+  scores_BxKxGxTxS = scores.reshape(b, kv_heads, groups, t, -1)
+  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
+                               _NEG_INF)
+  probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxD.dtype)
+  out = jnp.einsum('bkqs,bksd->bkqd', probs.reshape(scores.shape), v_BxKxSxD)
+  return out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4).reshape(
+      b, t, h, d)
 
 
 class MLP(nnx.Module):
@@ -138,9 +171,9 @@ class MLP(nnx.Module):
     self.dtype = cfg.compute_dtype
 
   def __call__(self, x_BxTxd):
-    gate = x_BxTxd @ self.gate_proj[...].astype(self.dtype)
-    up = x_BxTxd @ self.up_proj[...].astype(self.dtype)
-    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(self.dtype)
+    gate = dense(x_BxTxd, self.gate_proj[...].astype(self.dtype))
+    up = dense(x_BxTxd, self.up_proj[...].astype(self.dtype))
+    return dense(jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
 
 
 class Block(nnx.Module):
@@ -296,8 +329,8 @@ class CausalLM(nnx.Module):
       kernel = self.decoder.embed[...].astype(dtype).T
     else:
       kernel = self.lm_head[...].astype(dtype)
-    return jnp.einsum('btd,dv->btv', hidden_BxTxd.astype(dtype), kernel,
-                      preferred_element_type=_F32)
+    return dense(hidden_BxTxd.astype(dtype), kernel,
+                 preferred_element_type=_F32)
 
 
 def init_causal_lm(cfg: model_config.ModelConfig, seed: int = 0) -> CausalLM:
