@@ -23,7 +23,17 @@ client imports directly so that it stays free of JAX):
     inserted into the slots`; seen in training runs and under a stress
     client). The assertion fails only when every slot is free, so no request
     lives in the decode state: the thread's loop is restarted (a fresh decode
-    state, counted in `GENERATE_LOOP_RESTARTS`) instead of killing the server.
+    state, counted in `GENERATE_LOOP_RESTARTS`) instead of killing the server;
+  * its `token_utils` imports seqio at module level, for a SentencePiece
+    tokenizer sao_jax never uses (it tokenizes with Hugging Face
+    `tokenizers`), and seqio imports TensorFlow: 0.65 GiB resident and ~3 s
+    in every process that serves. While JetStream imports, `seqio.vocabularies`
+    is a stand-in whose `SentencePieceVocabulary` imports the real seqio when
+    first constructed; it leaves `sys.modules` right after, so a later
+    `import seqio` gets the real package. Its `Vocabulary` is a plain base
+    class: JetStream's test vocabulary (`mock_utils.TestVocab`) derives from
+    it and is not for use here. When seqio is already imported, the real one
+    serves.
 
 Faults handled elsewhere: `max_tokens` unset returns no tokens and over-long
 prompts are truncated silently (the client always sets `max_tokens` and checks
@@ -36,17 +46,60 @@ requests in flight); a non-empty `session_cache` with token content crashes
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
+import sys
 import traceback
+import types
 
 import jax
+
+
+
+class _SeqioVocabulary:
+  """Stands for `seqio.vocabularies.Vocabulary` in JetStream's annotations."""
+
+
+class _SeqioSentencePieceVocabulary:
+  """`seqio.vocabularies.SentencePieceVocabulary`, imported when constructed."""
+
+  def __new__(cls, *args, **kwargs):
+    return _real_seqio_vocabularies().SentencePieceVocabulary(*args, **kwargs)
+
+
+def _real_seqio_vocabularies():
+  _drop_seqio_stand_in()
+  return importlib.import_module('seqio.vocabularies')
+
+
+def _drop_seqio_stand_in():
+  for name in ('seqio.vocabularies', 'seqio'):
+    if getattr(sys.modules.get(name), 'SAO_STAND_IN', False):
+      del sys.modules[name]
+
+
+def _install_seqio_stand_in() -> None:
+  if 'seqio' in sys.modules:
+    return
+  package = types.ModuleType('seqio')
+  package.__path__ = []  # a package: `seqio.vocabularies` resolves below
+  vocabularies = types.ModuleType('seqio.vocabularies')
+  vocabularies.Vocabulary = _SeqioVocabulary
+  vocabularies.SentencePieceVocabulary = _SeqioSentencePieceVocabulary
+  for module in (package, vocabularies):
+    module.SAO_STAND_IN = True
+  package.vocabularies = vocabularies
+  sys.modules['seqio'] = package
+  sys.modules['seqio.vocabularies'] = vocabularies
+
 
 _root = logging.getLogger()
 _level_before = _root.level
 _handlers_before = list(_root.handlers)
 
+_install_seqio_stand_in()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2
@@ -54,6 +107,7 @@ from jetstream.core.proto import jetstream_pb2_grpc
 from jetstream.engine import engine_api
 from jetstream.engine import tokenizer_api
 # pylint: enable=g-import-not-at-top,wrong-import-position
+_drop_seqio_stand_in()
 
 _root.setLevel(_level_before)
 for _handler in list(_root.handlers):
