@@ -228,10 +228,18 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
           config, ledger, slots, rollouts, before, restart), force=True)
       progress.print_line(f'stop requested: saved step {step}')
     else:
-      after = _evaluate(learner, state, tok, env, held_out, config, logger,
-                        step, progress)
+      # Saved, written and the rollouts stopped before the last held-out
+      # evaluation, so that its decoding runs beside neither a checkpoint
+      # write nor rollout workers: overlapped, the end of the run was its
+      # peak (the demo's learner: 5.54 GiB, its steps 5.10; BENCHMARKS.md).
       ckpt.save(step, state, _metadata(
           config, ledger, slots, rollouts, before, restart), force=True)
+      rollouts.stop()
+      rollouts = None
+      ckpt.wait()
+      process_memory.return_free_pages()
+      after = _evaluate(learner, state, tok, env, held_out, config, logger,
+                        step, progress)
   finally:
     if records is not None:
       records.flush()  # a failed run still logs the steps it finished
