@@ -35,10 +35,27 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from sao_jax import errors
+
 _STATE = 'state'
 _METADATA = 'metadata'
 
 _log = logging.getLogger(__name__)
+
+# What the storage layer (tensorstore, under orbax) says when the write itself
+# failed, as opposed to a bug: its status code or the system's words.
+_WRITE_FAILURES = ('RESOURCE_EXHAUSTED', 'PERMISSION_DENIED', 'No space left',
+                   'File too large', 'Read-only file system', 'Failed writing',
+                   'Failed to write')
+
+
+class CheckpointWriteError(errors.UserError):
+  """A checkpoint could not be written (a full disk, no permission, ...).
+
+  The background write's error, in one line that names the step, the
+  directory and the system's reason; the checkpoints finalized before it are
+  intact.
+  """
 
 
 class Checkpointer:
@@ -71,6 +88,7 @@ class Checkpointer:
       directory = os.path.abspath(directory)
     self.directory = directory
     self.save_interval_steps = save_interval_steps
+    self._last_started: int | None = None
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         # Saves exactly at multiples of the interval: orbax's default policy
@@ -132,23 +150,51 @@ class Checkpointer:
         return False
     elif not self._manager.should_save(step):
       return False
-    saved = self._manager.save(
-        step,
-        args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(state),
-            _METADATA: ocp.args.JsonSave(metadata),
-        }),
-        force=force)
+    try:
+      # Waits first for the previous save, whose write may have failed.
+      saved = self._manager.save(
+          step,
+          args=ocp.args.Composite(**{
+              _STATE: ocp.args.StandardSave(state),
+              _METADATA: ocp.args.JsonSave(metadata),
+          }),
+          force=force)
+    except (OSError, ValueError) as e:
+      raise self._write_error(e) from e
     if saved:
+      self._last_started = step
       _log.info('checkpoint of step %d started in %s', step, self.directory)
     return bool(saved)
 
   def wait(self) -> None:
     """Blocks until the last started save is finalized on disk.
 
-    Raises whatever error the background write hit.
+    Raises:
+      CheckpointWriteError: the background write failed for a reason of the
+        storage (a full disk, no permission); any other error as it is.
     """
-    self._manager.wait_until_finished()
+    try:
+      self._manager.wait_until_finished()
+    except (OSError, ValueError) as e:
+      raise self._write_error(e) from e
+
+  def _write_error(self, e: Exception) -> Exception:
+    """`e` as a `CheckpointWriteError` when the storage refused the write."""
+    text = ' '.join(str(e).split())
+    if not isinstance(e, OSError) and not any(w in text
+                                              for w in _WRITE_FAILURES):
+      return e
+    # tensorstore's status ends with the system's reason, after the paths.
+    tail = text.rfind('Failed to write')
+    reason = text[tail:] if tail >= 0 else text[-300:]
+    done = [s for s in self._manager.all_steps() if s != self._last_started]
+    kept = (f'step {max(done)} is the last complete one'
+            if done else 'no complete checkpoint exists yet')
+    return CheckpointWriteError(
+        f'the checkpoint of step {self._last_started} could not be written'
+        f' to {self.directory} ({reason}); {kept}, and the same command'
+        ' resumes from it once the storage has room'
+        ' (checkpoint.max_to_keep bounds how many steps are kept)')
 
   def all_steps(self) -> list[int]:
     """The finalized steps in the directory, ascending."""

@@ -243,11 +243,13 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   finally:
     if records is not None:
       records.flush()  # a failed run still logs the steps it finished
-    ckpt.wait()
-    progress.close()
-    if rollouts is not None:
-      rollouts.stop()
-    logger.close()
+    try:
+      ckpt.wait()  # a failed write raises here: the servers still stop
+    finally:
+      progress.close()
+      if rollouts is not None:
+        rollouts.stop()
+      logger.close()
   plot_path = None
   if chief:
     plot_path = plots.plot_learning_curves(

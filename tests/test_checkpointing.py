@@ -381,3 +381,40 @@ def test_training_loop_saves_on_sigterm(tmp_path):
         abstract_state={'x': abstract(jnp.zeros(4))})
   assert metadata == {'step': step, 'stopped': True}
   np.testing.assert_array_equal(restored['x'], np.full(4, float(step)))
+
+
+_WRITE_FAILS = textwrap.dedent('''
+    import resource, signal, sys
+    import numpy as np
+    from sao_jax import checkpointing
+    ckpt = checkpointing.Checkpointer(sys.argv[1], save_interval_steps=1)
+    ckpt.save(1, {'w': np.ones(1000, np.float32)}, {})
+    ckpt.wait()
+    # From here on no file may grow past 1 MiB: the kernel refuses the write
+    # (EFBIG) as it refuses one on a full disk (ENOSPC).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    noise = np.random.default_rng(0).normal(size=1 << 20).astype(np.float32)
+    ckpt.save(2, {'w': noise}, {})
+    try:
+      ckpt.wait()
+    except checkpointing.CheckpointWriteError as e:
+      print('ERROR', e)
+    print('STEPS', ckpt.all_steps())
+''')
+
+
+def test_a_failed_write_is_one_line_naming_step_reason_and_last_good(
+    tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-c', _WRITE_FAILS, str(tmp_path / 'ckpt')],
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = {line.split(' ', 1)[0]: line.split(' ', 1)[1]
+           for line in proc.stdout.splitlines() if ' ' in line}
+  message = lines['ERROR']
+  assert '\n' not in message
+  assert 'checkpoint of step 2 could not be written' in message
+  assert 'File too large' in message
+  assert 'step 1 is the last complete one' in message
+  assert lines['STEPS'] == '[1]'
