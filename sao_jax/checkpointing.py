@@ -160,7 +160,10 @@ class Checkpointer:
           }),
           force=force)
     except (OSError, ValueError) as e:
-      raise self._write_error(e) from e
+      error = self._write_error(e)
+      if error is None:
+        raise
+      raise error from e
     if saved:
       self._last_started = step
       _log.info('checkpoint of step %d started in %s', step, self.directory)
@@ -176,14 +179,18 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except (OSError, ValueError) as e:
-      raise self._write_error(e) from e
+      error = self._write_error(e)
+      if error is None:
+        raise
+      raise error from e
 
-  def _write_error(self, e: Exception) -> Exception:
-    """`e` as a `CheckpointWriteError` when the storage refused the write."""
+  def _write_error(self, e: Exception) -> CheckpointWriteError | None:
+    """`e` as a `CheckpointWriteError` when the storage refused the write;
+    None for any other error, which is re-raised as it is."""
     text = ' '.join(str(e).split())
     if not isinstance(e, OSError) and not any(w in text
                                               for w in _WRITE_FAILURES):
-      return e
+      return None
     # tensorstore's status ends with the system's reason, after the paths.
     tail = text.rfind('Failed to write')
     reason = text[tail:] if tail >= 0 else text[-300:]

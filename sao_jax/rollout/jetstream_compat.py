@@ -57,7 +57,6 @@ import types
 import jax
 
 
-
 class _SeqioVocabulary:
   """Stands for `seqio.vocabularies.Vocabulary` in JetStream's annotations."""
 
