@@ -19,12 +19,11 @@ says why. On a new backend this is the first thing to rerun.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
 import platform
 import statistics
 import sys
-import time
 
 import sao_jax  # pylint: disable=unused-import  # quiet start before JAX
 import jax  # pylint: disable=g-bad-import-order
@@ -34,6 +33,8 @@ import numpy as np
 from sao_jax.models import transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+learner_benchmark = importlib.import_module('learner')  # benchmarks/learner.py
 
 # (B, T, d, F, H, K, D): batch rows, tokens, width, MLP width, query heads,
 # key/value heads, head dim. `full` is learner.py's tiny Qwen2 shape.
@@ -87,15 +88,6 @@ def _forward_backward(fn, num_args):
   return jax.jit(jax.grad(loss, argnums=tuple(range(num_args))))
 
 
-def _median_ms(fn, args, calls):
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
-
-
 def run(args):
   shape = SHAPES['quick' if args.quick else 'full']
   rounds, calls = (2, 2) if args.quick else (args.rounds, args.calls)
@@ -109,7 +101,8 @@ def run(args):
     ms = {way: [] for way in ways}
     for _ in range(rounds):
       for way, fn in grads.items():
-        ms[way].append(_median_ms(fn, inputs, calls))
+        ms[way].append(1e3 * learner_benchmark.median_seconds(
+            lambda fn=fn: jax.block_until_ready(fn(*inputs)), calls))
     first, second = ways
     results[name] = {
         'ms': ms,
@@ -149,11 +142,7 @@ def main(argv=None):
       ROOT, 'benchmarks', 'results', 'layouts.json'))
   args = parser.parse_args(argv)
   result = run(args)
-  os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(result, f, indent=2)
-  print(table(result))
-  print(f'wrote {args.out}')
+  learner_benchmark.write_result(args.out, result, table(result))
 
 
 if __name__ == '__main__':

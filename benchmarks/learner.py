@@ -222,13 +222,23 @@ class TunixSteps:
     jax.block_until_ready(self.critic_step(self.example))
 
 
-def _median_time(fn, steps: int) -> float:
+def median_seconds(fn, calls: int) -> float:
+  """Median wall time of `calls` calls of `fn()` (which blocks until done)."""
   times = []
-  for _ in range(steps):
+  for _ in range(calls):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def write_result(out: str, result, table_text: str) -> None:
+  """Writes `result` as JSON to `out`, then prints the table and the path."""
+  os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
+  with open(out, 'w') as f:
+    json.dump(result, f, indent=2)
+  print(table_text)
+  print(f'wrote {out}')
 
 
 def run(args):
@@ -267,7 +277,7 @@ def run(args):
   seconds = {name: [] for name in contenders}
   for _ in range(args.rounds):
     for name, fn in contenders.items():
-      seconds[name].append(_median_time(fn, args.steps))
+      seconds[name].append(median_seconds(fn, args.steps))
   result = {
       'shape': 'quick' if args.quick else args.shape,
       'model': {k: v for k, v in vars(cfg).items()
@@ -349,11 +359,7 @@ def main(argv=None):
   result = run(args)
   out = args.out or os.path.join(
       ROOT, 'benchmarks', 'results', f'learner_{result["shape"]}.json')
-  os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
-  with open(out, 'w') as f:
-    json.dump(result, f, indent=2)
-  print(table(result))
-  print(f'wrote {out}')
+  write_result(out, result, table(result))
 
 
 if __name__ == '__main__':

@@ -33,12 +33,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 # sao_jax first: its quiet start (no TPU probe on a CPU-only machine) must run
 # before JAX is imported.
@@ -170,15 +168,6 @@ class Step:
     jax.block_until_ready((self.state, metrics))
 
 
-def _median_time(fn, steps: int) -> float:
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def learner_speed(lengths: Lengths, num: int, rows: list[int], cfg, args,
                   seed: int):
   """Seconds and real tokens/s of one learner step, one per row and packed.
@@ -215,7 +204,7 @@ def learner_speed(lengths: Lengths, num: int, rows: list[int], cfg, args,
   seconds = {name: [] for name in contenders}
   for _ in range(args.rounds):
     for name, fn in contenders.items():
-      seconds[name].append(_median_time(fn, args.steps))
+      seconds[name].append(learner_benchmark.median_seconds(fn, args.steps))
   real = statistics.mean(contenders['unpacked'].real_tokens)
   median = {n: statistics.median(s) for n, s in seconds.items()}
   return {'rows': {n: r or num for n, r in layouts.items()},
@@ -313,11 +302,7 @@ def main(argv=None):
   out = args.out or os.path.join(
       ROOT, 'benchmarks', 'results',
       'packing_quick.json' if args.quick else 'packing.json')
-  os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
-  with open(out, 'w') as f:
-    json.dump(result, f, indent=2)
-  print(table(result))
-  print(f'wrote {out}')
+  learner_benchmark.write_result(out, result, table(result))
 
 
 if __name__ == '__main__':
