@@ -224,6 +224,10 @@ def get_config(arg=None):
     o.b1 = 0.9  # AdamW beta1
     o.b2 = 0.999  # AdamW beta2
     o.weight_decay = 0.0  # AdamW decoupled weight decay
+    # AdamW's first moment: float32 | bfloat16 (half its memory; the
+    # second moment stays float32, as in MaxText's `mu_dtype`). The Colab
+    # quickstart uses bfloat16 to stay under 6 GB.
+    o.mu_dtype = 'float32'
     c.optim[role] = o
 
   # Kernels for the DIS loss and GAE: auto = Pallas on TPU, XLA elsewhere;

@@ -185,6 +185,7 @@ def validate(config: ml_collections.ConfigDict,
     check.positive(f'optim.{role}.learning_rate')
     check.non_negative_int(f'optim.{role}.warmup_steps')
     check.positive(f'optim.{role}.grad_clip_norm')
+    check.choice(f'optim.{role}.mu_dtype', DTYPES)
 
   task_name = check.get('task.name')
   if task_name is not None:

@@ -1,0 +1,89 @@
+"""The actor's and critic's AdamW against a numpy Adam, first moment f32 or bf16."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sao_jax import config_lib
+from sao_jax.learner import optimizers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _actor_cfg(mu_dtype):
+  cfg = config_lib.load_config(
+      os.path.join(ROOT, 'configs', 'default.py')).optim.actor
+  cfg.learning_rate = 1e-2
+  cfg.warmup_steps = 0
+  cfg.grad_clip_norm = 1e9  # clipping is not what this file checks
+  cfg.weight_decay = 0.1
+  cfg.mu_dtype = mu_dtype
+  return cfg
+
+
+def _bf16(x):
+  return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _numpy_adamw(params_N, grads_SN, cfg, round_mu):
+  """Adam with decoupled weight decay; mu kept in bf16 when `round_mu`.
+
+  With a bf16 moment, optax's decay b1 * mu multiplies a bf16 array by a
+  Python float, so b1 itself becomes bf16 (0.9 -> 0.8984375); jitted,
+  XLA:CPU keeps the product in f32 (eagerly it would be rounded to bf16).
+  The new moment drives the update in f32 and is stored rounded.
+  """
+  p_N = params_N.astype(np.float64)
+  m_N = np.zeros_like(p_N)
+  v_N = np.zeros_like(p_N)
+  for step, g_N in enumerate(grads_SN, start=1):
+    b1 = _bf16(np.float64(cfg.b1)) if round_mu else cfg.b1
+    decayed_N = b1 * m_N
+    m_N = decayed_N + (1 - cfg.b1) * g_N
+    v_N = cfg.b2 * v_N + (1 - cfg.b2) * g_N**2
+    m_hat_N = m_N / (1 - cfg.b1**step)
+    v_hat_N = v_N / (1 - cfg.b2**step)
+    p_N = p_N - cfg.learning_rate * (
+        m_hat_N / (np.sqrt(v_hat_N) + 1e-8) + cfg.weight_decay * p_N)
+    if round_mu:
+      m_N = _bf16(m_N)
+  return p_N
+
+
+@pytest.mark.parametrize('mu_dtype', ['float32', 'bfloat16'])
+def test_adamw_matches_numpy_with_mu_stored_in_its_dtype(mu_dtype):
+  rng = np.random.default_rng(0)
+  params_N = rng.normal(size=64).astype(np.float32)
+  # Gradients of mixed sign and scale, so a bf16 moment's rounding shows.
+  grads_SN = rng.normal(size=(4, 64)).astype(np.float32) * np.float32(
+      [1.0, 1e-3, 3.0, 0.1])[:, None]
+  cfg = _actor_cfg(mu_dtype)
+  tx = optimizers.make(cfg)
+  params = {'w': jnp.asarray(params_N)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)  # as the learner runs it
+  for g_N in grads_SN:
+    updates, state = update({'w': jnp.asarray(g_N)}, state, params)
+    params = jax.tree.map(lambda p, u: p + u, params, updates)
+
+  want_N = _numpy_adamw(params_N, grads_SN, cfg,
+                        round_mu=mu_dtype == 'bfloat16')
+  np.testing.assert_allclose(params['w'], want_N, rtol=2e-6, atol=2e-7)
+  if mu_dtype == 'bfloat16':
+    # The f32-moment run lands elsewhere: the rounding is really there.
+    other_N = _numpy_adamw(params_N, grads_SN, cfg, round_mu=False)
+    assert np.abs(other_N - want_N).max() > 1e-6
+
+  moments = [leaf for leaf in jax.tree.leaves(state) if leaf.shape == (64,)]
+  assert sorted(str(m.dtype) for m in moments) == sorted([mu_dtype, 'float32'])
+
+
+def test_an_unknown_mu_dtype_is_a_config_error():
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'default.py'))
+  config.optim.critic.mu_dtype = 'float16'
+  with pytest.raises(config_lib.ConfigError, match='optim.critic.mu_dtype'):
+    config_lib.validate(config)
