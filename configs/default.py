@@ -285,6 +285,14 @@ def get_config(arg=None):
   c.rollout.num_workers = 32  # concurrent episodes per host (admission-gated)
   # Episodes.
   c.rollout.max_new_tokens = 12  # per model turn
+  # Whether a last reply cut by max_new_tokens keeps the environment's
+  # reward. The demo's chain-sum grader scores a reply's last number, and a
+  # cut reply ("3 + 8 = 11. The answer to") often ends on the right one: with
+  # the reward kept, demo runs drifted to run-on replies late in training
+  # (94-100% cut by step 22) and lost held-out accuracy (BENCHMARKS.md, the
+  # main job). False: such a reply earns 0, as an unfinished answer does in
+  # verifiable-reward graders that need a complete answer.
+  c.rollout.reward_cut_replies = False
   c.rollout.max_sequence_length = 64  # T of a batch: prompt+actions+observations
 
   # Sequence packing: a batch's trajectories laid back to back in rows of

@@ -37,6 +37,9 @@ def get_config(arg=None):
   c.rollout.max_target_length = 64
   c.rollout.max_sequence_length = 64
   c.rollout.max_new_tokens = 8
+  # word_target rewards each even-numbered word of a reply: a reply the
+  # budget cuts is still a list of words.
+  c.rollout.reward_cut_replies = True
   c.eval.max_new_tokens = 8
   c.eval.every = 0  # at the start and end only
   c.eval.batch_size = 16

@@ -50,6 +50,12 @@ def batch_metrics(trajectories: Sequence[types.Trajectory],
   }
   for reason, count in finish.items():
     metrics[f'rollout/finish_{reason}'] = count / len(trajectories)
+  # Replies cut by the token budget whose reward was withheld
+  # (`rollout.reward_cut_replies = False`), and how much they lost.
+  cut = [t.info['cut_reward'] for t in trajectories if 'cut_reward' in t.info]
+  metrics['rollout/cut_rewards_withheld'] = len(cut) / len(trajectories)
+  metrics['rollout/cut_reward_lost_mean'] = (
+      float(np.sum(cut)) / len(trajectories))
   return metrics
 
 

@@ -74,10 +74,16 @@ class EpisodeLimits:
       max_prefill_length less the BOS JetStream adds); a multi-turn episode
       whose context outgrows it ends there ('prompt_length') rather than
       failing the request.
+    reward_cut_replies: whether an episode the environment ends on a reply
+      cut by `max_new_tokens` (finish reason 'length') keeps the
+      environment's reward; False gives it 0 (an answer the budget cut off
+      is not an answer) and marks it `info['cut_reward']`, the reward it
+      lost.
   """
   max_new_tokens: int
   max_sequence_length: int
   max_prompt_length: int | None = None
+  reward_cut_replies: bool = True
 
 
 async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
@@ -142,6 +148,9 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
                         turns=turn + 1)
       if result.done:
         rewards[row] = float(result.reward)
+        if sample.finish_reason == 'length' and not limits.reward_cut_replies:
+          infos[row]['cut_reward'] = rewards[row]
+          rewards[row] = 0.0
         open_[row] = False
         continue
       if result.next_task is not None:

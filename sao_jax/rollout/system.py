@@ -129,7 +129,8 @@ class RolloutSystem:
         limits=episodes.EpisodeLimits(
             max_new_tokens=r.max_new_tokens,
             max_sequence_length=r.max_sequence_length,
-            max_prompt_length=r.max_prefill_length - 1),
+            max_prompt_length=r.max_prefill_length - 1,
+            reward_cut_replies=r.reward_cut_replies),
         num_workers=r.num_workers, group_size=config.group_size,
         group_in_one_request=r.group_in_one_request,
         pool_options=dict(stop_ids=tok.stop_ids,

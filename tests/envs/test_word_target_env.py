@@ -12,6 +12,7 @@ from sao_jax.envs import calculator
 from sao_jax.envs import latency
 from sao_jax.envs import registry
 from sao_jax.envs import word_target
+from sao_jax.logs import train_metrics
 from sao_jax.models import tiny
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes
@@ -143,9 +144,10 @@ def test_multi_turn_episode_hand_worked():
 class ScriptedPool:
   """A server pool that answers each request with the next scripted reply."""
 
-  def __init__(self, tok, replies):
+  def __init__(self, tok, replies, finish_reasons=None):
     self._tok = tok
     self._replies = list(replies)
+    self._finish = list(finish_reasons or ['stop'] * len(replies))
     self.prompts = []
 
   async def generate(self, prompt, max_tokens):
@@ -154,13 +156,39 @@ class ScriptedPool:
     await asyncio.sleep(0)  # let concurrent episodes interleave
     return [client_lib.Sample(tokens=tokens, logprobs=[-1.0] * len(tokens),
                               versions=[0] * len(tokens),
-                              finish_reason='stop')]
+                              finish_reason=self._finish.pop(0))]
 
 
-def _play(env, pool, task, tok):
+def _play(env, pool, task, tok, reward_cut_replies=True):
   return episodes.run_episode(
       pool, env, task, tok, episodes.ChatFormat(tok),
-      episodes.EpisodeLimits(max_new_tokens=8, max_sequence_length=64))
+      episodes.EpisodeLimits(max_new_tokens=8, max_sequence_length=64,
+                             reward_cut_replies=reward_cut_replies))
+
+
+@pytest.mark.parametrize('keep', [True, False])
+def test_a_last_reply_cut_by_the_budget_earns_its_reward_only_if_kept(keep):
+  _, tok = tiny.make()
+  env = word_target.WordTarget(turns=2, observation_words=3)
+  task = env.task('train', 4)
+  # The first turn's cut does not end the episode: only the last reply's
+  # finish decides. Pooled share (1 + 3) / (2 + 4), as in the test below.
+  pool = ScriptedPool(tok, ['w2 w3', 'w4 w6 w8 w1'], ['length', 'length'])
+  (traj,) = asyncio.run(_play(env, pool, task, tok, reward_cut_replies=keep))
+  assert traj.info['finish_reason'] == 'length'
+  if keep:
+    assert traj.reward == pytest.approx(4 / 6) and 'cut_reward' not in traj.info
+  else:
+    assert traj.reward == 0.0 and traj.info['cut_reward'] == pytest.approx(4 / 6)
+  metrics = train_metrics.batch_metrics([traj], version=1)
+  assert metrics['rollout/cut_rewards_withheld'] == (0.0 if keep else 1.0)
+  assert metrics['rollout/cut_reward_lost_mean'] == pytest.approx(
+      0.0 if keep else 4 / 6)
+
+  # A first reply cut, the last one ended on its own: the reward stands.
+  pool = ScriptedPool(tok, ['w2 w3', 'w4 w6 w8 w1'], ['length', 'stop'])
+  (traj,) = asyncio.run(_play(env, pool, task, tok, reward_cut_replies=keep))
+  assert traj.reward == pytest.approx(4 / 6) and 'cut_reward' not in traj.info
 
 
 def test_rollout_episode_carries_observations_and_the_pooled_reward():
