@@ -153,6 +153,12 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       state = _pretrain_critic(learner, state, rollouts, config, logger,
                                slots, ledger)
       memory.mark('pretrain')
+    if step < config.total_steps:
+      # While the rollouts generate the first batch (batch_rows per process).
+      learner.compile_train_step(
+          config.batch_size, config.rollout.max_sequence_length,
+          rows=rollouts.batch_rows * jax.process_count())
+      memory.mark('compile')
     # From here on a stop saves the step reached (polled, never mid-step).
     stop_flag.exit_immediately = False
     tracker = train_metrics.StepTimer()

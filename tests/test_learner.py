@@ -372,3 +372,30 @@ def test_k_critic_updates_are_k_critic_steps(one_device):
   for key, value in in_step.items():
     np.testing.assert_allclose(value, stepwise[key], rtol=1e-5, atol=1e-6,
                                err_msg=key)
+
+
+def test_a_train_step_compiled_ahead_is_not_compiled_again():
+  """The trainer compiles the step before the first batch: that executable,
+  not a second compile, must run the step."""
+  from jax._src import monitoring  # pylint: disable=g-import-not-at-top
+  learner = make_learner(make_config(**{'mesh.data': 1}), jax.devices()[:1])
+  batch = fake_batch(0)
+  rows, length = batch.tokens_BxT.shape
+  learner.compile_train_step(len(batch.reward_N), length, rows)
+  compiles = []
+
+  def count(event, duration, **kwargs):
+    del duration, kwargs
+    if event == '/jax/compilation_cache/compile_time_saved_sec' or (
+        'backend_compile' in event):
+      compiles.append(event)
+
+  monitoring.register_event_duration_secs_listener(count)
+  try:
+    learner.state, m = learner.train_step(learner.state,
+                                          learner.device_batch(batch))
+    jax.block_until_ready(m)
+  finally:
+    monitoring.unregister_event_duration_listener(count)
+  assert compiles == []
+  assert np.isfinite(np.asarray(m['policy/loss']))

@@ -54,6 +54,7 @@ def test_tiny_config_trains_and_reward_rises(tmp_path):
   assert last['rollout/server_rss_gb'] > 0.1
   first = next(r for r in records if 'memory/learner_init_rss_gb' in r)
   assert first['step'] == 1 and 'memory/model_load_rss_gb' in first
+  assert 'memory/compile_rss_gb' in first  # the step compiled ahead
   evals = [r for r in records if 'eval/accuracy' in r]
   assert [r['step'] for r in evals] == [0, 30]
   assert 'before' in proc.stdout and 'after' in proc.stdout

@@ -88,6 +88,7 @@ class RolloutSystem:
     # Packing runs on one process only (config_lib), so the learner's mesh
     # is config.mesh over this process's devices.
     self._packed_rows = config_lib.packed_rows(config)
+    self._batch_size = batch_size
     self._stop_flag = stop_flag
     self._weights_dir = os.path.join(workdir, 'weights')
     os.makedirs(self._weights_dir, exist_ok=True)
@@ -194,6 +195,12 @@ class RolloutSystem:
     return trajectories, batching.assemble_batch(
         trajectories, self._config.rollout.max_sequence_length, self._pad_id,
         self._packed_rows)
+
+  @property
+  def batch_rows(self) -> int:
+    """Rows of this process's batches: the packed rows, or one per
+    trajectory (a packed batch that overflows its rows also takes these)."""
+    return self._packed_rows or self._batch_size
 
   def set_learner_version(self, version: int) -> None:
     """The policy version the learner now holds; call it after every step
