@@ -220,6 +220,10 @@ def get_config(arg=None):
     o = ml_collections.ConfigDict()
     o.learning_rate = lr  # peak learning rate, after the warm-up
     o.warmup_steps = 3  # linear warm-up from 0, in optimizer steps
+    # After the warm-up: constant | cosine (decay to min_lr_ratio x the
+    # rate at the run's last optimizer step; verl's and OpenRLHF's cosine).
+    o.schedule = 'constant'
+    o.min_lr_ratio = 0.1  # the cosine's floor, a fraction of learning_rate
     o.grad_clip_norm = 1.0  # global gradient-norm clip
     o.b1 = 0.9  # AdamW beta1
     o.b2 = 0.999  # AdamW beta2

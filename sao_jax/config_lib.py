@@ -37,6 +37,8 @@ from sao_jax.rl import losses
 RUNNING_MEAN_SCOPES = ('prompt', 'global')
 ADVANTAGE_VALUES = ('pre_update', 'post_update')
 DTYPES = ('float32', 'bfloat16')
+# Learning-rate schedules after the warm-up (learner.optimizers builds them).
+LR_SCHEDULES = ('constant', 'cosine')
 PACK_MODES = ('auto', 'on', 'off')
 # Where a task's turns are set: `batching.pack_sequences='auto'` packs the
 # tasks that can take more than one turn (BENCHMARKS.md, packing).
@@ -186,6 +188,8 @@ def validate(config: ml_collections.ConfigDict,
     check.non_negative_int(f'optim.{role}.warmup_steps')
     check.positive(f'optim.{role}.grad_clip_norm')
     check.choice(f'optim.{role}.mu_dtype', DTYPES)
+    check.choice(f'optim.{role}.schedule', LR_SCHEDULES)
+    check.closed_interval(f'optim.{role}.min_lr_ratio', 0.0, 1.0)
 
   task_name = check.get('task.name')
   if task_name is not None:

@@ -1,4 +1,5 @@
-"""The actor's and critic's AdamW against a numpy Adam, first moment f32 or bf16."""
+"""The actor's and critic's AdamW against a numpy Adam (first moment f32 or
+bf16), and their learning-rate schedules by hand."""
 
 import os
 
@@ -62,7 +63,7 @@ def test_adamw_matches_numpy_with_mu_stored_in_its_dtype(mu_dtype):
   grads_SN = rng.normal(size=(4, 64)).astype(np.float32) * np.float32(
       [1.0, 1e-3, 3.0, 0.1])[:, None]
   cfg = _actor_cfg(mu_dtype)
-  tx = optimizers.make(cfg)
+  tx = optimizers.make(cfg, total_steps=len(grads_SN))
   params = {'w': jnp.asarray(params_N)}
   state = tx.init(params)
   update = jax.jit(tx.update)  # as the learner runs it
@@ -82,8 +83,26 @@ def test_adamw_matches_numpy_with_mu_stored_in_its_dtype(mu_dtype):
   assert sorted(str(m.dtype) for m in moments) == sorted([mu_dtype, 'float32'])
 
 
+def test_cosine_schedule_by_hand_after_a_linear_warmup():
+  cfg = _actor_cfg('float32')
+  cfg.learning_rate, cfg.warmup_steps = 2e-5, 3
+  cfg.schedule, cfg.min_lr_ratio = 'cosine', 0.1
+  rate = optimizers.schedule(cfg, total_steps=23)  # 20 steps of decay
+  got = [float(rate(step)) for step in (0, 1, 3, 13, 23, 30)]
+  # Warm-up 0 -> 2e-5 over 3 steps; then 2e-5 (0.1 + 0.9 (1 + cos(pi t/20))/2).
+  want = [0.0, 2e-5 / 3, 2e-5, 2e-5 * (0.1 + 0.9 * 0.5), 2e-6, 2e-6]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+  cfg.schedule = 'constant'
+  constant = optimizers.schedule(cfg, total_steps=23)
+  assert float(constant(23)) == pytest.approx(2e-5)
+
+
 def test_an_unknown_mu_dtype_is_a_config_error():
   config = config_lib.load_config(os.path.join(ROOT, 'configs', 'default.py'))
   config.optim.critic.mu_dtype = 'float16'
   with pytest.raises(config_lib.ConfigError, match='optim.critic.mu_dtype'):
+    config_lib.validate(config)
+  config.optim.critic.mu_dtype = 'float32'
+  config.optim.actor.schedule = 'linear'
+  with pytest.raises(config_lib.ConfigError, match='optim.actor.schedule'):
     config_lib.validate(config)

@@ -71,8 +71,12 @@ class Learner:
                                             config.rollout.top_k,
                                             config.rollout.top_p)
     self.logits_chunk = config.model.logits_chunk_size
-    self.actor_tx = optimizers.make(config.optim.actor)
-    self.critic_tx = optimizers.make(config.optim.critic)
+    self.actor_tx = optimizers.make(config.optim.actor,
+                                    actor_optimizer_steps(config))
+    # The critic's optimizer restarts after value pretraining: RL's updates.
+    self.critic_tx = optimizers.make(
+        config.optim.critic,
+        config.total_steps * config.critic.steps_per_policy_step)
     self._policy_def, policy_params = nnx.split(policy, nnx.Param)
     critic_params = frozen_params = None
     if self.uses_critic:
@@ -433,9 +437,16 @@ class Learner:
     metrics['loss_first'] = per_step['loss'][0]
     metrics['optimizer_steps'] = jnp.asarray(steps, _F32)
     # Warm-up counts optimizer steps: the rate of the batch's last step.
-    metrics['learning_rate'] = optimizers.schedule(cfg.optim.actor)(
+    metrics['learning_rate'] = optimizers.schedule(
+        cfg.optim.actor, actor_optimizer_steps(cfg))(
         (state.step + 1) * steps - 1)
     return policy, actor_opt, metrics
+
+
+def actor_optimizer_steps(config) -> int:
+  """The actor's optimizer steps in a whole run: E x M per policy step."""
+  return (config.total_steps * config.optim.policy_epochs
+          * config.optim.policy_minibatches)
 
 
 def minibatch_permutation(seed: int, version, epoch, num_rows: int):
