@@ -233,14 +233,6 @@ def get_config(arg=None):
     # quickstart uses bfloat16 to stay under 6 GB.
     o.mu_dtype = 'float32'
     c.optim[role] = o
-  # The actor's rate decays over the run. At a constant rate, demo runs
-  # held-out-peaked at step 11 (0.69-0.705 in the three latest) and then
-  # lost 0.04-0.17 by step 22 as arithmetic answers drifted (5 + 8 = 13 ->
-  # 11) while the training reward held: the 200 held-out problems take 131
-  # of the task's one-digit sums, leaving 69 distinct training questions,
-  # each drawn ~5 times in 22 steps (BENCHMARKS.md, the main job). The
-  # critic's rate stays constant: its targets keep moving with the policy.
-  c.optim.actor.schedule = 'cosine'
 
   # Kernels for the DIS loss and GAE: auto = Pallas on TPU, XLA elsewhere;
   # xla | pallas force one (pallas runs in interpret mode off TPU).
