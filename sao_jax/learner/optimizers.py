@@ -1,10 +1,11 @@
 """Optimisers of the actor and the critic from config (`config.optim.<role>`).
 
 AdamW after global-norm clipping, with a linear warm-up to a constant rate
-(SAO: 10-step warm-up, critic at 5x the actor's rate) or a cosine decay, the first moment in
-`mu_dtype` (bfloat16 halves it, as MaxText and big_vision offer), the whole
-chain inside `optax.apply_if_finite`: an update whose gradient holds a NaN or inf is
-skipped (parameters untouched) and counted, never applied.
+(SAO: 10-step warm-up, critic at 5x the actor's rate) or a cosine decay, the
+first moment in `mu_dtype` (bfloat16 halves it, as MaxText and big_vision
+offer), the whole chain inside `optax.apply_if_finite`: an update whose
+gradient holds a NaN or inf is skipped (parameters untouched) and counted,
+never applied.
 """
 
 from __future__ import annotations
