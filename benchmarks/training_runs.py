@@ -54,8 +54,15 @@ STABILITY_KEYS = (
     'policy/kl_k3', 'policy/optimizer_steps', 'policy/behavior_weight_mean',
     'policy/grad_norm', 'critic/grad_norm', 'critic/explained_variance',
     'rollout/staleness_mean', 'rollout/staleness_max',
+    'rollout/token_staleness_mean', 'rollout/token_staleness_p95',
+    'queue/waiting_for_group',
     'time/learner_idle_fraction', 'time/wait_seconds', 'time/train_seconds',
     'queue/dropped_stale')
+
+#: Cumulative metrics (since the queue opened): the reports carry their value
+#: at a run's last step, not a mean over steps.
+FINAL_KEYS = ('queue/group_wait_share', 'queue/group_wait_mean_seconds',
+              'queue/dropped_groups', 'queue/dropped_incomplete_group')
 
 #: A run has collapsed when its smoothed reward falls this far below the best
 #: it reached and does not climb back to within half of that by the end.
@@ -207,6 +214,11 @@ def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
     values = [float(r[key]) for r in records if _finite(r.get(key))]
     if values:
       stability[key] = float(np.mean(values))
+  final = {}
+  for key in FINAL_KEYS:
+    values = [float(r[key]) for r in records if _finite(r.get(key))]
+    if values:
+      final[key] = values[-1]
   collapse = collapse_step([s for s, _, _ in rewards], reward_values)
   train_rows = [r for r in records if _finite(r.get('time/step_seconds'))]
   step_seconds = sum(r['time/step_seconds'] for r in train_rows)
@@ -233,6 +245,7 @@ def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
       'collapsed': collapse is not None,
       'collapse_step': collapse,
       'stability': stability,
+      'final': final,
       # The training loop only (first step's start to last step's end):
       'loop_seconds': loop_seconds,
       'trajectories_per_second': (rewards[-1][0] * batch_size / loop_seconds
@@ -301,6 +314,33 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
   se = (statistics.stdev(values) / math.sqrt(len(values))
         if len(values) > 1 else 0.0)
   return float(np.mean(values)), se
+
+
+def welch(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+  """Welch's two-sample t-test of mean(a) - mean(b) (unequal variances).
+
+  `p` is two-sided; NaN when either side has fewer than two values or both
+  have no spread.
+  """
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  a, b = [float(x) for x in a], [float(x) for x in b]
+  diff = (float(np.mean(a)) - float(np.mean(b))) if a and b else math.nan
+  if len(a) < 2 or len(b) < 2 or (np.std(a) == 0 and np.std(b) == 0):
+    return {'difference': diff, 't': math.nan, 'p': math.nan}
+  t, p = stats.ttest_ind(a, b, equal_var=False)
+  return {'difference': diff, 't': float(t), 'p': float(p)}
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+  """Paired t-test of a - b (runs paired by seed): the mean difference, its
+  standard error and the two-sided p."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  d = np.asarray(a, float) - np.asarray(b, float)
+  mean, se = mean_se(d)
+  if d.size < 2 or np.std(d) == 0:
+    return {'difference': mean, 'se': se, 'p': math.nan}
+  return {'difference': mean, 'se': se,
+          'p': float(stats.ttest_rel(a, b).pvalue)}
 
 
 def ok_runs(summaries: Sequence[Mapping[str, Any]],

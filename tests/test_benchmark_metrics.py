@@ -57,3 +57,24 @@ def test_switch_report_recovery_and_post_switch_reward():
   # trailing mean reaches 0.9: step 8 ((0.95 + 1) / 2 = 0.975).
   (report,) = online.switch_report(curve, [4], total_steps=9, window=2)
   assert report['steps_to_recover_90'] == 4
+
+
+def test_welch_and_paired_tests_match_hand_worked_values():
+  # Welch: means 2 and 5.5, sample variances 1 and 5/3, n = 3 and 4:
+  # t = -3.5 / sqrt(1/3 + 5/12) = -3.5 / sqrt(0.75).
+  welch = training_runs.welch([1, 2, 3], [4, 5, 6, 7])
+  assert welch['difference'] == -3.5
+  assert welch['t'] == pytest.approx(-3.5 / 0.75 ** 0.5)
+  assert 0.005 < welch['p'] < 0.02
+  # Paired: differences 1, 2, 3 -> mean 2, se 1/sqrt(3), t = 2 sqrt(3) on 2
+  # degrees of freedom, whose CDF is 1/2 + t / (2 sqrt(2 + t^2)).
+  paired = training_runs.paired([1, 2, 4], [0, 0, 1])
+  t = 2 * 3 ** 0.5
+  assert paired['difference'] == 2.0
+  assert paired['se'] == pytest.approx(1 / 3 ** 0.5)
+  assert paired['p'] == pytest.approx(2 * (0.5 - t / (2 * (2 + t * t) ** 0.5)))
+  # Too few values or no spread: no test, the difference still reported.
+  assert training_runs.welch([1.0], [2.0, 3.0])['difference'] == -1.5
+  assert training_runs.welch([1.0], [2.0, 3.0])['p'] != training_runs.welch(
+      [1.0], [2.0, 3.0])['p']  # NaN
+  assert training_runs.paired([1, 1], [0, 0])['difference'] == 1.0

@@ -216,6 +216,31 @@ def test_async_speedup_benchmark_quick(tmp_path):
   assert '| async |' in stdout
 
 
+@pytest.mark.slow
+def test_group_waiting_benchmark_quick(tmp_path):
+  result, stdout = _quick('group_waiting.py', tmp_path)
+  runs = {r['variant']: r for r in result['runs']}
+  assert set(runs) == {'sao sigma=1', 'grpo_dis G=4 sigma=1'}
+  for run in runs.values():
+    _check_run(run, 3)
+  sao, grpo = runs['sao sigma=1'], runs['grpo_dis G=4 sigma=1']
+  # Single rollouts never wait for a group; a group's members do (they are
+  # queued one by one as their episodes end, with lognormal latencies).
+  assert sao['final']['queue/group_wait_share'] == 0.0
+  assert 0.0 < grpo['final']['queue/group_wait_share'] < 1.0
+  assert grpo['final']['queue/group_wait_mean_seconds'] > 0.0
+  for run in (sao, grpo):
+    stability = run['stability']
+    assert 0.0 <= stability['rollout/token_staleness_mean'] <= (
+        stability['rollout/token_staleness_p95'])
+  # 5 episodes of B = 16 in flight per unit of the bound, however grouped.
+  assert '--config.rollout.num_workers=80' in sao['command']
+  assert '--config.rollout.num_workers=20' in grpo['command']
+  row = result['report']['grpo_dis G=4 sigma=1']
+  assert 'vs_sao_seconds_to_target' in row
+  assert '| grpo_dis G=4 sigma=1 | 1 |' in stdout
+
+
 def test_accelerator_check_dry_run_plans_every_step(tmp_path):
   out = tmp_path / 'accelerator.json'
   proc = _script('benchmarks/accelerator.py', '--dry-run', f'--out={out}',

@@ -1,5 +1,5 @@
 """Host bookkeeping: question slots of the running mean, the pretraining stop,
-the memory of the run's phases."""
+the memory of the run's phases, what a batch says about its rollouts."""
 
 import json
 import math
@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from sao_jax import process_memory
+from sao_jax import types
 from sao_jax.logs import train_metrics
 from sao_jax.rl import advantages
 
@@ -117,6 +118,7 @@ _FREED_IN_A_THREAD = r'''
 import threading
 import numpy as np
 from sao_jax import process_memory
+from sao_jax import types
 process_memory.release_freed_arrays()  # as the trainer starts
 kept = []
 def work():
@@ -139,3 +141,31 @@ def test_return_free_pages_releases_what_threads_freed():
   before, after = map(float, out.split())
   # The freed 392 MB were still resident; after the trim they are not.
   assert before - after > 0.3
+
+
+def trajectory(action_versions, prompt_len=2):
+  n = len(action_versions)
+  versions = np.full(prompt_len + n, types.NO_VERSION, np.int32)
+  versions[prompt_len:] = action_versions
+  return types.Trajectory(
+      prompt_id='p', tokens=np.arange(prompt_len + n, dtype=np.int32),
+      action_mask=versions != types.NO_VERSION,
+      behavior_logprobs=np.where(versions != types.NO_VERSION, -0.5,
+                                 0.0).astype(np.float32),
+      versions=versions, reward=1.0)
+
+
+def test_token_staleness_counts_every_action_token_of_the_batch():
+  """Trained at version 5 (learner version 6): one trajectory sampled at 4,
+  4, 5 (a weight update mid-reply), one at 1 x 17. Token staleness: 1, 1, 0
+  and seventeen 4s; trajectory staleness (oldest token): 1 and 4."""
+  metrics = train_metrics.batch_metrics(
+      [trajectory([4, 4, 5]), trajectory([1] * 17)], version=6)
+  token_staleness = np.array([1, 1, 0] + [4] * 17)
+  assert metrics['rollout/token_staleness_mean'] == token_staleness.mean()
+  assert metrics['rollout/token_staleness_p95'] == 4.0
+  assert metrics['rollout/staleness_mean'] == 2.5
+  assert metrics['rollout/staleness_max'] == 4.0
+  few = train_metrics.batch_metrics([trajectory([4, 4, 5])], version=6)
+  # numpy's linear interpolation: p95 of (0, 1, 1) is 1.
+  assert few['rollout/token_staleness_p95'] == 1.0

@@ -35,6 +35,10 @@ def batch_metrics(trajectories: Sequence[types.Trajectory],
                       for t in trajectories])
   # The batch trains version `version - 1`; staleness from the oldest token.
   staleness = np.array([version - 1 - t.oldest_version for t in trajectories])
+  # Per action token (a trajectory may span weight updates): what the
+  # importance ratio of each trained token actually corrects for.
+  token_staleness = np.concatenate(
+      [version - 1 - t.versions[t.action_mask] for t in trajectories])
   lengths = np.array([t.num_action_tokens for t in trajectories])
   finish = collections.Counter(t.info.get('finish_reason', 'unknown')
                                for t in trajectories)
@@ -44,6 +48,8 @@ def batch_metrics(trajectories: Sequence[types.Trajectory],
       'train/accuracy': float(correct.mean()),
       'rollout/staleness_mean': float(staleness.mean()),
       'rollout/staleness_max': float(staleness.max()),
+      'rollout/token_staleness_mean': float(token_staleness.mean()),
+      'rollout/token_staleness_p95': float(np.percentile(token_staleness, 95)),
       'rollout/action_tokens_mean': float(lengths.mean()),
       'rollout/turns_mean': float(np.mean([t.info.get('turns', 1)
                                            for t in trajectories])),

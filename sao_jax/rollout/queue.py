@@ -145,7 +145,8 @@ class RolloutQueue:
                max_abs_reward: float | None = None,
                required_info: Mapping[str, type | tuple[type, ...]]
                | None = None,
-               loop: asyncio.AbstractEventLoop | None = None):
+               loop: asyncio.AbstractEventLoop | None = None,
+               clock: Callable[[], float] = time.monotonic):
     """Creates an empty queue at learner and rollout version 0.
 
     Args:
@@ -172,6 +173,8 @@ class RolloutQueue:
       loop: the event loop the workers run in. Needed only if the learner
         thread calls a `*_blocking` method before any coroutine of the queue
         ran in the loop (which binds it).
+      clock: seconds, for the time finished trajectories wait (`stats()`'s
+        group_wait_seconds and queue_seconds); tests pass a fake one.
     """
     for name, value, low in (('batch_size', batch_size, 1),
                              ('max_staleness', max_staleness, 0),
@@ -211,7 +214,8 @@ class RolloutQueue:
     self.required_info = (None if required_info is None else
                           dict(required_info))
     self._books = queue_books.Books(batch_size, max_staleness, group_size,
-                                    capacity, notify=self._notify)
+                                    capacity, notify=self._notify,
+                                    clock=clock)
     self._loop = loop
     # Futures of waiting coroutines; a dict keeps wake-up order deterministic.
     self._waiters: dict[asyncio.Future, None] = {}
@@ -423,12 +427,17 @@ class RolloutQueue:
     admitted, put, accepted, rejected, rejected/<reason>, cancelled, consumed,
     batches, dropped_stale (trajectories), dropped_stale_groups,
     dropped_incomplete_group (trajectories), dropped_groups, lost_on_restore;
-    gauges in_flight, queued, ready, partial_groups, blocked_puts,
-    admission_headroom, learner_version, rollout_version; staleness/<k> (how
+    gauges in_flight, queued, ready, partial_groups, waiting_for_group
+    (trajectories in partial groups), blocked_puts, admission_headroom,
+    learner_version, rollout_version; staleness/<k> (how
     many consumed trajectories had staleness k, from the oldest version),
     max_consumed_staleness; kept_mean_length and dropped_stale_mean_length
     (tokens; 0 when none); learner_wait_seconds, admission_wait_seconds
-    (summed over concurrent admits: worker-seconds), put_wait_seconds.
+    (summed over concurrent admits: worker-seconds), put_wait_seconds;
+    group_wait_seconds and queue_seconds (summed over consumed trajectories:
+    from acceptance to their group's completion, and to their batch),
+    group_wait_share (their ratio) and group_wait_mean_seconds (per consumed
+    trajectory).
     """
     return self._call(self._books.stats)
 

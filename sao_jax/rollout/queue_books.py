@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,12 @@ _INT_COUNTERS = (
     'batches', 'dropped_stale', 'dropped_stale_groups',
     'dropped_incomplete_group', 'dropped_groups', 'lost_on_restore',
     'kept_length_sum', 'dropped_stale_length_sum')
+# group_wait_seconds and queue_seconds sum, over the consumed trajectories,
+# the time from acceptance to their group's completion and to their batch:
+# how long finished episodes wait for their GRPO group (0 without groups).
 _FLOAT_COUNTERS = (
-    'learner_wait_seconds', 'admission_wait_seconds', 'put_wait_seconds')
+    'learner_wait_seconds', 'admission_wait_seconds', 'put_wait_seconds',
+    'group_wait_seconds', 'queue_seconds')
 
 
 @dataclasses.dataclass
@@ -56,6 +61,8 @@ class _Item:
   oldest: int
   deadline: int  # the last learner version that may consume it
   length: int
+  accepted_s: float  # the books' clock when it was accepted
+  ready_s: float | None = None  # when its group completed (None: partial)
 
 
 class Books:
@@ -65,19 +72,22 @@ class Books:
   """
 
   def __init__(self, batch_size: int, max_staleness: int, group_size: int,
-               capacity: int | None, notify: Callable[[], None]):
+               capacity: int | None, notify: Callable[[], None],
+               clock: Callable[[], float] = time.monotonic):
     """Empty books at learner and rollout version 0.
 
     Args:
       batch_size, max_staleness, group_size, capacity: as `RolloutQueue`,
         which checks them.
       notify: called after a change a waiter may wait for.
+      clock: seconds, for the time trajectories wait in the queue.
     """
     self.batch_size = int(batch_size)
     self.max_staleness = int(max_staleness)
     self.group_size = int(group_size)
     self.capacity = None if capacity is None else int(capacity)
     self._notify = notify
+    self._clock = clock
 
     self.learner_version = 0
     self.rollout_version = 0
@@ -88,6 +98,7 @@ class Books:
     self._ready: collections.deque[list[_Item]] = collections.deque()
     self.ready_count = 0
     self._partial: dict[Any, list[_Item]] = {}  # group id -> members so far
+    self.waiting_for_group = 0  # members of the partial groups
     # group id -> 'released' | 'failed', oldest forgotten first.
     self._finished_groups: collections.OrderedDict[Any, str] = (
         collections.OrderedDict())
@@ -193,9 +204,11 @@ class Books:
     self.counters['accepted'] += 1
     self._release_slots(lease, 1)
     oldest = traj.oldest_version
-    item = _Item(traj, oldest, oldest + self.max_staleness, traj.length)
+    now = self._clock()
+    item = _Item(traj, oldest, oldest + self.max_staleness, traj.length, now)
     kept = True
     if self.group_size == 1:
+      item.ready_s = now
       self._enqueue(item)
       self._ready.append([item])
       self.ready_count += 1
@@ -207,8 +220,12 @@ class Books:
       self._enqueue(item)
       members = self._partial.setdefault(group, [])
       members.append(item)
+      self.waiting_for_group += 1
       if len(members) == self.group_size:
         del self._partial[group]
+        self.waiting_for_group -= len(members)
+        for member in members:
+          member.ready_s = now
         self._ready.append(members)
         self.ready_count += len(members)
         self._remember_group(group, 'released')
@@ -251,6 +268,7 @@ class Books:
       return
     for item in self._partial.pop(group, []):
       self._dequeue(item)
+      self.waiting_for_group -= 1
       self.counters['dropped_incomplete_group'] += 1
     self.counters['dropped_groups'] += 1
     self._remember_group(group, 'failed')
@@ -292,10 +310,13 @@ class Books:
 
   def take(self, version: int) -> list[types.Trajectory]:
     batch = []
+    now = self._clock()
     while len(batch) < self.batch_size:
       for item in self._ready.popleft():
         self._dequeue(item)
         self.ready_count -= 1
+        self.counters['group_wait_seconds'] += item.ready_s - item.accepted_s
+        self.counters['queue_seconds'] += now - item.accepted_s
         self._staleness[version - item.oldest] += 1
         self.counters['consumed'] += 1
         self.counters['kept_length_sum'] += item.length
@@ -325,12 +346,19 @@ class Books:
     out.update(
         in_flight=self.in_flight, queued=self.queued,
         ready=self.ready_count, partial_groups=len(self._partial),
+        waiting_for_group=self.waiting_for_group,
         blocked_puts=self.blocked_puts,
         admission_headroom=self.headroom(),
         learner_version=self.learner_version,
         rollout_version=self.rollout_version,
         max_consumed_staleness=max(self._staleness, default=0),
         kept_mean_length=c['kept_length_sum'] / max(c['consumed'], 1),
+        # Of the time consumed trajectories spent queued, the share spent
+        # waiting for the rest of their group; and that wait per trajectory.
+        group_wait_share=(c['group_wait_seconds'] / c['queue_seconds']
+                          if c['queue_seconds'] > 0 else 0.0),
+        group_wait_mean_seconds=(c['group_wait_seconds'] /
+                                 max(c['consumed'], 1)),
         dropped_stale_mean_length=(c['dropped_stale_length_sum'] /
                                    max(c['dropped_stale'], 1)))
     for reason in trajectory_checks.REJECT_REASONS:

@@ -3,7 +3,8 @@
 `RolloutRunner` owns an asyncio event loop in a background thread (the learner
 keeps the main thread for JAX). Each of `num_workers` workers loops: wait for
 admission (the staleness bound), take the next task, play the episode (or a
-GRPO group) against the server pool, and put the trajectories into the queue.
+GRPO group's episodes, concurrently) against the server pool, and put each
+trajectory into the queue as its episode ends.
 Any failure of a request is counted and its admission released; nothing is
 silently lost, and a worker never dies of one bad episode.
 """
@@ -146,30 +147,51 @@ class RolloutRunner:
       with lease:
         index, task = self._next_task()
         group_id = f'{task.id}#{index}' if group > 1 else None
+        if not await self._play(lease, index, task, group_id):
+          return
+
+  async def _play(self, lease: queue_lib.Lease, index: int, task,
+                  group_id: str | None) -> bool:
+    """Plays the task's episode (or a GRPO group's G episodes) and puts each
+    trajectory into the queue as soon as its episode ends.
+
+    A group's members are not held back here until the slowest is done: a
+    finished member waits for its siblings in the queue, which counts that
+    wait (`group_wait_seconds`). A failed episode ends the group: the others
+    are cancelled, and leaving the lease cancels their slots and drops the
+    members already queued (counted by the queue).
+
+    Returns:
+      False once the queue is closed (the worker stops), else True.
+    """
+    args = (self.pool, self._env, task, self._tok, self._chat, self._limits)
+    count = 1 if self._group_size == 1 or self._one_request else (
+        self._group_size)
+    runs = [asyncio.ensure_future(episodes.run_episode(*args,
+                                                       group_id=group_id))
+            for _ in range(count)]
+    try:
+      for finished in asyncio.as_completed(runs):
         try:
-          trajectories = await self._play(task, group_id)
+          trajectories = await finished
         except client_lib.RequestFailed as e:
           self.counters[f'failed/{e.reason}'] += 1
-          continue  # leaving the lease cancels its slots (counted there)
+          return True
         except asyncio.CancelledError:
           raise
         except Exception:  # pylint: disable=broad-except
           self.counters['failed/episode_error'] += 1
           _log.exception('episode on task %s failed', task.id)
-          continue
+          return True
         for trajectory in trajectories:
           trajectory.info['task_index'] = index
           try:
             await lease.put(trajectory)
           except queue_lib.QueueClosed:
-            return
+            return False
         self.counters['episodes'] += len(trajectories)
-
-  async def _play(self, task, group_id):
-    args = (self.pool, self._env, task, self._tok, self._chat, self._limits)
-    if self._group_size == 1 or self._one_request:
-      return await episodes.run_episode(*args, group_id=group_id)
-    groups = await asyncio.gather(*(episodes.run_episode(*args,
-                                                         group_id=group_id)
-                                    for _ in range(self._group_size)))
-    return [t for g in groups for t in g]
+      return True
+    finally:
+      for run in runs:
+        run.cancel()
+      await asyncio.gather(*runs, return_exceptions=True)

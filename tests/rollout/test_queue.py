@@ -987,3 +987,52 @@ def test_assemble_batch_refuses_rows_it_cannot_hold():
   with pytest.raises(ValueError, match=r'packed_rows=2 must be in \[0, 1\]'):
     batching.assemble_batch([fake_traj([0])], max_length=8, pad_id=0,
                             packed_rows=2)
+
+
+def test_finished_members_wait_for_their_group_and_the_wait_is_counted():
+  """Hand-worked times: a1 at t=0, b1 at 1, a2 at 3, b2 at 4, batch at 10.
+  Group a completes at 3 (a1 waited 3), group b at 4 (b1 waited 3); the four
+  spent 10 + 7 + 9 + 6 = 32 s queued, 6 of them waiting for a sibling."""
+  now = {'t': 0.0}
+
+  async def main():
+    queue = queue_lib.RolloutQueue(4, 1, VOCAB, MAX_LEN, group_size=2,
+                                   clock=lambda: now['t'])
+    waiting = []
+    lease = await queue.admit(4)
+    for t, group in ((0, 'a'), (1, 'b'), (3, 'a'), (4, 'b')):
+      now['t'] = float(t)
+      await lease.put(fake_traj([0], group_id=group))
+      waiting.append(queue.stats()['waiting_for_group'])
+    now['t'] = 10.0
+    await queue.get_batch()
+    return waiting, queue.stats()
+
+  waiting, stats = asyncio.run(main())
+  assert waiting == [1, 2, 1, 0]
+  assert stats['group_wait_seconds'] == pytest.approx(6.0)
+  assert stats['queue_seconds'] == pytest.approx(32.0)
+  assert stats['group_wait_share'] == pytest.approx(6 / 32)
+  assert stats['group_wait_mean_seconds'] == pytest.approx(1.5)
+  assert_accounting(stats)
+
+
+def test_single_rollouts_never_wait_for_a_group():
+  now = {'t': 0.0}
+
+  async def main():
+    queue = queue_lib.RolloutQueue(2, 1, VOCAB, MAX_LEN,
+                                   clock=lambda: now['t'])
+    lease = await queue.admit(2)
+    await lease.put(fake_traj([0]))
+    now['t'] = 2.0
+    await lease.put(fake_traj([0]))
+    now['t'] = 5.0
+    await queue.get_batch()
+    return queue.stats()
+
+  stats = asyncio.run(main())
+  assert stats['waiting_for_group'] == 0
+  assert stats['group_wait_seconds'] == 0.0
+  assert stats['queue_seconds'] == pytest.approx(5.0 + 3.0)
+  assert stats['group_wait_share'] == 0.0
