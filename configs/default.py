@@ -257,6 +257,13 @@ def get_config(arg=None):
   c.rollout.admin_secret_file = ''  # else $SAO_ADMIN_SECRET
   # Engine shape (per server).
   c.rollout.max_concurrent_decodes = 16  # decode slots
+  # The servers' weights: '' keeps model.param_dtype | float32 | bfloat16.
+  # bfloat16 halves a server's weight memory (the Colab quickstart, whose
+  # server shares the learner's process, uses it) and computes in
+  # model.dtype from the rounded weights: mu_t then differs from the
+  # learner's log-probs by that rounding, which the DIS ratio pi/mu_t sees
+  # and corrects, as it does an inference engine's kernels in the paper.
+  c.rollout.param_dtype = ''
   c.rollout.max_prefill_length = 128  # a JetStream padding bucket
   c.rollout.max_target_length = 160  # KV cache per slot: prompt + generation
   # GRPO groups of single-turn tasks as one request with samples_per_slot = G

@@ -419,6 +419,13 @@ def engine_config(config, tok: tokenizer_lib.Tokenizer, server_index: int = 0,
       restart=restart)
 
 
+def serving_param_dtype(config) -> str:
+  """The dtype a server keeps its weights in: `rollout.param_dtype`, or the
+  learner's `model.param_dtype` when that is ''. Pushed weights are cast to
+  it on load (orbax restores into the engine's dtypes)."""
+  return config.rollout.param_dtype or config.model.param_dtype
+
+
 def build_engine(config, version: int = 0, model=None, tok=None,
                  devices=None, server_index: int = 0,
                  restart: int = 0) -> Engine:
@@ -429,7 +436,8 @@ def build_engine(config, version: int = 0, model=None, tok=None,
   if model is None:
     model, tok = pretrained.from_pretrained(config.model.source,
                                             dtype=config.model.dtype,
-                                            param_dtype=config.model.param_dtype,
+                                            param_dtype=serving_param_dtype(
+                                                config),
                                             layer_loop=config.model.layer_loop)
   return Engine(model, tok,
                 engine_config(config, tok, server_index=server_index,

@@ -1,18 +1,25 @@
 """The JetStream engine in process: contract, mu_t, versions, tensor parallel."""
 
 import asyncio
+import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from sao_jax import config_lib
 from sao_jax.models import sampling
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import weight_sync
 from sao_jax.rollout import wire
 import sao_jax.models
 
 pb = jetstream_compat.jetstream_pb2
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 def make_engine(checkpoint, devices=None, **overrides):
@@ -192,3 +199,37 @@ def test_engine_config_errors():
     engine_lib.EngineConfig(max_prefill_length=64, max_target_length=64)
   with pytest.raises(ValueError, match='must be >= 0'):
     engine_lib.EngineConfig(server_index=-1)
+
+
+def test_bfloat16_server_weights_sample_from_the_rounded_policy(
+    tiny_checkpoint, tmp_path):
+  """`rollout.param_dtype = 'bfloat16'`: the engine keeps bf16 weights, a
+  pushed f32 checkpoint is rounded on load, and mu_t is the log-prob of the
+  rounded weights (computed in f32): equal to a recomputation with rounded
+  weights, off the f32 policy's by the rounding only."""
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny.py'))
+  config.model.source = tiny_checkpoint
+  config.rollout.param_dtype = 'bfloat16'
+  config.rollout.temperature = 1.0
+  config_lib.validate(config)
+  engine = engine_lib.build_engine(config, version=7)
+  dtypes = {x.dtype for x in jax.tree.leaves(engine.abstract_state())}
+  assert dtypes == {jnp.dtype(jnp.bfloat16)}
+  # A push from an f32 learner: the checkpoint is f32, the engine bf16.
+  model, tok = sao_jax.models.from_pretrained(tiny_checkpoint)
+  weight_sync.save_policy(str(tmp_path / 'push'), model)
+  loaded = weight_sync.load_policy(str(tmp_path / 'push'),
+                                   engine.abstract_state())
+  assert {x.dtype for x in jax.tree.leaves(loaded)} == dtypes
+  engine.weights.swap(loaded, 7)
+  prompt = tok.encode_chat([{'role': 'user', 'content': 'w1 w4'}])
+  [(tokens, logprobs, _)] = run_requests(engine, [prompt], max_tokens=24)
+  params = engine.config.sampling
+  exact = recompute(model, prompt, tokens, params)
+  rounded = jax.tree.map(
+      lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
+      nnx.state(model, nnx.Param))
+  nnx.update(model, rounded)
+  np.testing.assert_allclose(logprobs, recompute(model, prompt, tokens, params),
+                             atol=1e-4)
+  assert 0 < np.max(np.abs(np.array(logprobs) - exact)) < 0.1
