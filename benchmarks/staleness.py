@@ -1,20 +1,36 @@
-r"""Stability under staleness: the algorithms at max staleness 0, 2, 4, 8.
+r"""Stability under staleness: faithful baselines pushed until they break.
 
-  python benchmarks/staleness.py                 # 5 algorithms x 4 bounds x 2 seeds
+  python benchmarks/staleness.py                 # 5 variants x 4 bounds x 5 seeds
   python benchmarks/staleness.py --quick         # CI: sao at 0 and 4, 3 steps
-  python benchmarks/staleness.py --algorithms=sao,grpo --seeds=5
+  python benchmarks/staleness.py --variants=sao,grpo --bounds=0,16 --seeds=3
 
 `rollout.max_staleness` bounds how many policy versions the oldest token of a
 trajectory may lag the learner (SAO.md §2); 0 is synchronous training. To
 make the bound bite, each run has enough rollout workers to fill it
 (`(max_staleness + 1) x B` episodes in flight), so the realised staleness
-grows with the bound instead of being capped by the worker count. Reported
-per (algorithm, bound): held-out accuracy, collapses, the DIS band fractions
-(tokens masked below 1 - eps_low and above 1 + eps_high) or the PPO clip
-fraction, the importance ratio's range (min, mean, max over each batch's
-action tokens, averaged over steps), gradient norms, realised staleness.
+grows with the bound instead of being capped by the worker count.
 
-Same recipe as benchmarks/algorithms.py (tiny random model on word_target).
+Every variant takes the peers' update schedule, M = 4 mini-batch optimizer
+steps per batch (verl's default; GRPO's and VAPO's presets already do, SAO and
+GRPO+DIS are given it here), at an actor learning rate `--lr-scale` times the
+recipe's stable one: the regime where a method that does not correct for
+the lag should break. Variants: `sao`; `grpo` (PPO clip against the
+recomputed old policy, verl's default); `grpo decoupled` (AReaL's decoupled
+PPO: clip against the proximal policy, tokens weighted by min(pi_prox / mu,
+2)); `grpo_dis` (group advantages, DIS loss); `vapo`.
+
+Collapse is defined before looking at any run (`training_runs.
+collapse_below_half_peak`): the training reward below half its peak (of the
+3-step mean) for 5 consecutive steps, or any optimizer step skipped for a
+non-finite gradient. Reported per (variant, bound), over seeds: collapses,
+held-out accuracy (final and mean over the run), the importance ratio's range
+(min / max over each batch's action tokens, averaged over steps: against mu
+for DIS, against the recomputed old policy for the PPO clips), the DIS band
+fractions or the PPO clip fraction, gradient norms, realised staleness of
+the trained tokens (mean and p95).
+
+Same recipe as benchmarks/algorithms.py (tiny random model on word_target),
+run longer (`--total-steps`).
 """
 
 from __future__ import annotations
@@ -27,26 +43,57 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import algorithms  # pylint: disable=g-import-not-at-top,wrong-import-position
 import training_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-BOUNDS = (0, 2, 4, 8)
-COLUMNS = (('realised staleness', 'rollout/staleness_mean'),
-           ('optimizer steps per batch', 'policy/optimizer_steps'),
+BOUNDS = (0, 4, 8, 16)
+#: label -> (algorithm, overrides)
+VARIANTS = {
+    'sao': ('sao', {}),
+    'grpo': ('grpo', {}),
+    'grpo decoupled': ('grpo', {'policy_loss.old_logprobs': 'decoupled'}),
+    'grpo_dis': ('grpo_dis', {}),
+    'vapo': ('vapo', {}),
+}
+COLUMNS = (('token staleness mean', 'rollout/token_staleness_mean'),
+           ('token staleness p95', 'rollout/token_staleness_p95'),
            ('DIS below', 'policy/frac_below'),
            ('DIS above', 'policy/frac_above'),
            ('PPO clip frac', 'policy/clip_frac'),
            ('ratio min', 'policy/ratio_min'),
-           ('ratio mean', 'policy/ratio_mean'),
            ('ratio max', 'policy/ratio_max'),
            ('actor grad norm', 'policy/grad_norm'),
            ('critic grad norm', 'critic/grad_norm'))
+
+
+def variant_name(label: str, bound: int) -> str:
+  return f'{label} staleness={bound}'
+
+
+def collapse(run) -> int | None:
+  """The run's collapse step by the rule above (0: a non-finite skip with
+  no reward collapse), or None."""
+  curve = run['reward_curve']
+  step = training_runs.collapse_below_half_peak(
+      [p['step'] for p in curve], [p['reward'] for p in curve])
+  if step is not None:
+    return step
+  final = run.get('final', {})
+  if final.get('policy/nonfinite_skips') or final.get(
+      'critic/nonfinite_skips'):
+    return 0
+  return None
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--recipe', choices=sorted(algorithms.RECIPES),
                       default='tiny')
-  parser.add_argument('--algorithms', default=','.join(algorithms.ALGORITHMS))
+  parser.add_argument('--variants', default=','.join(VARIANTS))
   parser.add_argument('--bounds', default=','.join(map(str, BOUNDS)))
-  parser.add_argument('--seeds', type=int, default=2)
+  parser.add_argument('--seeds', type=int, default=5)
+  parser.add_argument('--total-steps', type=int, default=60)
+  parser.add_argument('--minibatches', type=int, default=4,
+                      help='M, optimizer steps per batch, for every variant')
+  parser.add_argument('--lr-scale', type=float, default=2.5,
+                      help="the actor's learning rate over the recipe's")
   parser.add_argument('--quick', action='store_true',
                       help='sao at bounds 0 and 4, one seed, 3 steps (CI)')
   parser.add_argument('--workdir', default='runs/benchmarks/staleness')
@@ -55,68 +102,115 @@ def main():
   args = parser.parse_args()
 
   config, batch_size, overrides = algorithms.RECIPES[args.recipe]
-  names = args.algorithms.split(',')
+  labels = args.variants.split(',')
+  unknown = sorted(set(labels) - set(VARIANTS))
+  if unknown:
+    parser.error(f'unknown variants {unknown}; known: {list(VARIANTS)}')
   bounds = [int(b) for b in args.bounds.split(',')]
   seeds = args.seeds
+  recipe_config = training_runs.load_recipe_config(config)
+  learning_rate = (recipe_config.optim.actor.learning_rate * args.lr_scale)
+  overrides = dict(overrides, **{
+      'total_steps': args.total_steps,
+      'optim.policy_minibatches': args.minibatches,
+      'optim.actor.learning_rate': learning_rate})
   if args.quick:
-    names, bounds, seeds = ['sao'], [0, 4], 1
+    labels, bounds, seeds = ['sao'], [0, 4], 1
     overrides = dict(overrides, **algorithms.QUICK)
   specs, variants = [], []
-  for name in names:
+  for label in labels:
+    algorithm, extra = VARIANTS[label]
     for bound in bounds:
-      variant = f'{name} staleness={bound}'
+      variant = variant_name(label, bound)
       variants.append(variant)
       for seed in range(seeds):
         specs.append(training_runs.RunSpec(
-            variant, seed, f'{config}:algorithm={name}',
-            dict(overrides, **{'rollout.max_staleness': bound,
-                               'rollout.num_workers': (bound + 1) * batch_size,
-                               'rollout.queue_capacity': 0})))
+            variant, seed, f'{config}:algorithm={algorithm}',
+            dict(overrides, **extra,
+                 **{'rollout.max_staleness': bound,
+                    'rollout.num_workers': (bound + 1) * batch_size,
+                    'rollout.queue_capacity': 0})))
   specs.sort(key=lambda s: s.seed)  # a whole first seed before the second
   summaries = training_runs.run_grid(
       specs, os.path.join(args.workdir, args.recipe + ('-quick' if args.quick
                                                        else '')),
       batch_size=batch_size)
+  for run in summaries:
+    if 'failed' not in run:
+      run['collapse_rule_step'] = collapse(run)
   aggregated = training_runs.aggregate(summaries, variants)
-  _plot(aggregated, names, bounds, args.plot,
-        f'max staleness ({args.recipe}, B={batch_size}, {seeds} seeds)')
+  for variant, row in aggregated.items():
+    runs = training_runs.ok_runs(summaries, variant)
+    row['collapsed_by_rule'] = sum(r['collapse_rule_step'] is not None
+                                   for r in runs)
+    row['collapse_rule_steps'] = [r['collapse_rule_step'] for r in runs
+                                  if r['collapse_rule_step'] is not None]
+  title = (f'max staleness ({args.recipe}, B={batch_size}, M='
+           f'{args.minibatches}, actor lr {learning_rate:g}, {seeds} seeds)')
+  _plot(aggregated, labels, bounds, args.plot, title)
   training_runs.write_result(args.out, {
       'benchmark': 'staleness', 'recipe': args.recipe, 'quick': args.quick,
       'command': ' '.join(['python', 'benchmarks/staleness.py']
                           + sys.argv[1:]),
       'machine': training_runs.machine(), 'config': config,
-      'overrides': overrides, 'aggregate': aggregated, 'runs': summaries})
-  print(training_runs.markdown_table(aggregated, COLUMNS))
+      'overrides': overrides,
+      'variants': {label: VARIANTS[label] for label in labels},
+      'collapse_rule': 'training reward below half its peak (3-step mean)'
+                       ' for 5 consecutive steps, or a non-finite skip',
+      'aggregate': aggregated, 'runs': summaries})
+  print(markdown(aggregated))
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 
-def _plot(aggregated, names, bounds, path, title):
-  """Against the staleness bound, per algorithm: held-out accuracy (area),
-  the importance ratio's range, and the share of tokens DIS masks."""
+def markdown(aggregated) -> str:
+  """The table: collapses by the rule first, then the usual columns."""
+  table = training_runs.markdown_table(aggregated, COLUMNS).split('\n')
+  head, rule, rows = table[0], table[1], table[2:]
+  out = [head.replace('| collapsed |', '| collapsed (rule) |'), rule]
+  for row, (_, a) in zip(rows, aggregated.items()):
+    cells = row.split(' | ')
+    # Column 7 (0-based after the variant) is `collapsed`.
+    steps = a['collapse_rule_steps']
+    cells[7] = f'{a["collapsed_by_rule"]}/{a["runs"] - a["failed"]}' + (
+        f' (steps {", ".join(map(str, steps))})' if steps else '')
+    out.append(' | '.join(cells))
+  return '\n'.join(out)
+
+
+def _plot(aggregated, labels, bounds, path, title):
+  """Against the staleness bound, per variant: held-out accuracy (area),
+  the collapse rate, the importance ratio's range, and the share of tokens
+  DIS masks or the PPO clip clips."""
   # pylint: disable=g-import-not-at-top
   from matplotlib import figure as mpl_figure
   from matplotlib.backends import backend_agg
-  fig = mpl_figure.Figure(figsize=(15, 4), dpi=100)
+  fig = mpl_figure.Figure(figsize=(20, 4), dpi=100)
   backend_agg.FigureCanvasAgg(fig)
-  area_ax, ratio_ax, mask_ax = fig.subplots(1, 3)
-  for name in names:
-    rows = [aggregated[f'{name} staleness={b}'] for b in bounds]
+  area_ax, collapse_ax, ratio_ax, mask_ax = fig.subplots(1, 4)
+  for label in labels:
+    rows = [aggregated[variant_name(label, b)] for b in bounds]
     line = area_ax.errorbar(
         bounds, [r['area_under_accuracy'] for r in rows],
         yerr=[r['area_under_accuracy_se'] for r in rows], marker='o',
-        capsize=3, label=name)
+        capsize=3, label=label)
     color = line[0].get_color()
+    collapse_ax.plot(bounds, [r['collapsed_by_rule'] / max(
+        r['runs'] - r['failed'], 1) for r in rows], marker='o', color=color,
+                     label=label)
     for key, style in (('policy/ratio_min', '--'), ('policy/ratio_max', '-')):
       ratio_ax.plot(bounds, [r['stability'].get(key, float('nan'))
                              for r in rows], style, marker='o', color=color,
-                    label=f'{name} {key.split("_")[-1]}')
-    below = [r['stability'].get('policy/frac_below') for r in rows]
-    if all(b is not None for b in below):
-      mask_ax.plot(bounds, below, marker='o', color=color, label=name)
+                    label=f'{label} {key.split("_")[-1]}')
+    masked = [r['stability'].get('policy/frac_below',
+                                 r['stability'].get('policy/clip_frac'))
+              for r in rows]
+    if all(m is not None for m in masked):
+      mask_ax.plot(bounds, masked, marker='o', color=color, label=label)
   area_ax.set_ylabel('mean held-out accuracy over the run (area)')
-  ratio_ax.set_ylabel('ratio to the behaviour policy: min (--), max (-)')
-  mask_ax.set_ylabel('tokens below the DIS band (masked)')
-  for ax in (area_ax, ratio_ax, mask_ax):
+  collapse_ax.set_ylabel('share of seeds collapsed (rule)')
+  ratio_ax.set_ylabel('importance ratio: min (--), max (-)')
+  mask_ax.set_ylabel('DIS: tokens below the band; PPO: clip fraction')
+  for ax in (area_ax, collapse_ax, ratio_ax, mask_ax):
     ax.set_xlabel('rollout.max_staleness')
     ax.set_xticks(bounds)
     ax.grid(alpha=0.3)

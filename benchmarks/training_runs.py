@@ -62,7 +62,8 @@ STABILITY_KEYS = (
 #: Cumulative metrics (since the queue opened): the reports carry their value
 #: at a run's last step, not a mean over steps.
 FINAL_KEYS = ('queue/group_wait_share', 'queue/group_wait_mean_seconds',
-              'queue/dropped_groups', 'queue/dropped_incomplete_group')
+              'queue/dropped_groups', 'queue/dropped_incomplete_group',
+              'policy/nonfinite_skips', 'critic/nonfinite_skips')
 
 #: A run has collapsed when its smoothed reward falls this far below the best
 #: it reached and does not climb back to within half of that by the end.
@@ -107,6 +108,13 @@ def _flag_value(value: Any) -> str:
     return '(' + ','.join(str(v) for v in value) + (
         ',)' if len(value) == 1 else ')')
   return str(value)
+
+
+def load_recipe_config(config: str):
+  """The config a `RunSpec.config` argument names, relative to the repo
+  (for values a script derives from the recipe, e.g. a scaled rate)."""
+  from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
+  return config_lib.load_config(os.path.join(ROOT, config))
 
 
 def compile_cache_dir(root: str) -> str:
@@ -284,6 +292,28 @@ def collapse_step(steps: Sequence[int], rewards: Sequence[float],
   near_best = np.flatnonzero(smooth >= best - drop / 2)
   after = np.flatnonzero(fallen & (np.arange(smooth.size) > near_best[-1]))
   return int(steps[after[0]]) if after.size else None
+
+
+def collapse_below_half_peak(steps: Sequence[int], rewards: Sequence[float],
+                             patience: int = 5, smooth: int = 3,
+                             min_peak: float = 0.2) -> int | None:
+  """The step a run collapsed at by issue 16's rule, or None.
+
+  Collapse: the training reward stays below half its peak so far for
+  `patience` consecutive steps. The peak is that of the `smooth`-step
+  trailing mean (one lucky batch is not a peak); a run whose peak never
+  reaches `min_peak` never learned, which is not a collapse. The step
+  reported is the first of the `patience` steps.
+  """
+  rewards = np.asarray(rewards, float)
+  peak = np.maximum.accumulate(plots.moving_average(rewards, smooth))
+  below = (rewards < peak / 2) & (peak >= min_peak)
+  run = 0
+  for i, is_below in enumerate(below):
+    run = run + 1 if is_below else 0
+    if run == patience:
+      return int(steps[i - patience + 1])
+  return None
 
 
 def first_time_at(curve: Sequence[Mapping[str, float]], target: float,

@@ -78,3 +78,22 @@ def test_welch_and_paired_tests_match_hand_worked_values():
   assert training_runs.welch([1.0], [2.0, 3.0])['p'] != training_runs.welch(
       [1.0], [2.0, 3.0])['p']  # NaN
   assert training_runs.paired([1, 1], [0, 0])['difference'] == 1.0
+
+
+def test_collapse_below_half_peak_needs_five_steps_under_half_the_peak():
+  steps = list(range(1, 13))
+  # The 3-step mean peaks at 0.8 (steps 4-6); steps 7-11 are at 0.3 < 0.4.
+  rewards = [0.2, 0.4, 0.6, 0.8, 0.8, 0.8, 0.3, 0.3, 0.3, 0.3, 0.3, 0.8]
+  assert training_runs.collapse_below_half_peak(steps, rewards) == 7
+  # Six steps are not reached before the reward comes back.
+  assert training_runs.collapse_below_half_peak(steps, rewards,
+                                                patience=6) is None
+  # 0.45 is not below half of 0.8.
+  assert training_runs.collapse_below_half_peak(
+      steps, rewards[:6] + [0.45] * 6) is None
+  # One lucky batch of 1.0 among 0.3s makes a 3-step peak of ~0.53, not 1.0.
+  lucky = [0.3, 0.3, 1.0, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
+  assert training_runs.collapse_below_half_peak(range(10), lucky) is None
+  # A run that never learned (peak below 0.2) has nothing to collapse from.
+  assert training_runs.collapse_below_half_peak(
+      steps, [0.1] * 6 + [0.0] * 6) is None

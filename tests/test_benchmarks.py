@@ -180,7 +180,15 @@ def test_staleness_benchmark_quick(tmp_path):
     _check_run(run, 3)
   # Synchronous training consumes only fresh data.
   assert runs['sao staleness=0']['stability']['rollout/staleness_max'] == 0
-  assert '| sao staleness=4 |' in stdout
+  assert runs['sao staleness=0']['stability'][
+      'rollout/token_staleness_p95'] == 0
+  for run in runs.values():
+    # The peers' schedule for every variant, at 2.5x the recipe's rate.
+    assert run['stability']['policy/optimizer_steps'] == 4
+    assert '--config.optim.actor.learning_rate=0.0075' in run['command']
+    assert 'collapse_rule_step' in run
+  assert '| collapsed (rule) |' in stdout
+  assert '| sao staleness=4 | 1/1 |' in stdout
 
 
 @pytest.mark.slow
