@@ -1,15 +1,18 @@
 r"""Online learning: the rewarded target switches twice (SAO.md §5).
 
-  python benchmarks/online.py              # SAO vs running mean (W=128), 3 seeds
+  python benchmarks/online.py              # SAO vs two running means, 5 seeds
   python benchmarks/online.py --quick      # CI: one seed each, switches at 2, 4
 
 The tiny random model on `word_target` with `task.word_target.switch_steps`:
 phase 0 rewards even-numbered words, phase 1 odd ones, phase 2 even ones
 again. The prompt never changes; the learner notices the switch only through
 the reward, while rollouts keep flowing (asynchronous, max staleness 2). SAO
-(critic, skip-observation GAE, DIS) against the paper's online baseline, a
-running-mean reward baseline over the last 128 rewards of any prompt
-(`algorithm=running_mean`, global scope, window 128).
+(critic, skip-observation GAE, DIS) against the paper's online baselines:
+a running-mean reward baseline over the last 128 rewards of any prompt
+(`algorithm=running_mean`, global scope, window 128), and one over the last
+8 rewards of the same question (per-question scope; the global window's
+mean while a question has no history). Each baseline is compared with SAO
+per switch by Welch's t-test on the mean reward after the switch.
 
 Per switch, from the training reward (each trajectory judged by the phase
 current when it finished):
@@ -42,7 +45,14 @@ VARIANTS = {
     'running_mean (W=128)': ('running_mean', {
         'advantage.running_mean_scope': 'global',
         'advantage.running_mean_global_window': 128}),
+    # The paper's per-question baseline: the mean of the question's last 8
+    # rewards, the global window's while a question has no history yet.
+    'running_mean (per question, W=8)': ('running_mean', {
+        'advantage.running_mean_scope': 'prompt',
+        'advantage.running_mean_window': 8,
+        'advantage.running_mean_global_window': 128}),
 }
+QUICK_VARIANTS = ('sao', 'running_mean (per question, W=8)')
 
 
 def switch_report(curve, switches, total_steps, window):
@@ -70,12 +80,13 @@ def switch_report(curve, switches, total_steps, window):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--seeds', type=int, default=3)
+  parser.add_argument('--seeds', type=int, default=5)
   parser.add_argument('--switch-steps', default='40,80')
   parser.add_argument('--total-steps', type=int, default=120)
   parser.add_argument('--window', type=int, default=3)
   parser.add_argument('--quick', action='store_true',
-                      help='one seed, switches at steps 2 and 4 of 6 (CI)')
+                      help='sao and the per-question mean, one seed,'
+                      ' switches at steps 2 and 4 of 6 (CI)')
   parser.add_argument('--workdir', default='runs/benchmarks/online')
   parser.add_argument('--out', default='benchmarks/results/online.json')
   parser.add_argument('--plot', default='benchmarks/results/online.png')
@@ -83,8 +94,10 @@ def main():
 
   switches = [int(s) for s in args.switch_steps.split(',')]
   total, seeds, window = args.total_steps, args.seeds, args.window
+  variants = dict(VARIANTS)
   if args.quick:
     switches, total, seeds, window = [2, 4], 6, 1, 1
+    variants = {v: VARIANTS[v] for v in QUICK_VARIANTS}
   overrides = {'total_steps': total, 'eval.every': 0, 'task.held_out': 16,
                'task.word_target.switch_steps': tuple(switches),
                'rollout.max_staleness': 2}
@@ -93,12 +106,12 @@ def main():
   specs = [training_runs.RunSpec(variant, seed, f'{CONFIG}:algorithm={name}',
                                  dict(overrides, **extra))
            for seed in range(seeds)
-           for variant, (name, extra) in VARIANTS.items()]
+           for variant, (name, extra) in variants.items()]
   summaries = training_runs.run_grid(
       specs, args.workdir + ('-quick' if args.quick else ''),
       batch_size=BATCH_SIZE)
   per_variant = {}
-  for variant in VARIANTS:
+  for variant in variants:
     runs = training_runs.ok_runs(summaries, variant)
     for run in runs:
       run['switches'] = switch_report(run['reward_curve'], switches, total,
@@ -117,36 +130,51 @@ def main():
           'post_switch_mean_reward': auc[0],
           'post_switch_mean_reward_se': auc[1]})
     per_variant[variant] = per_switch
-  _plot(summaries, switches, args.plot)
+  # Each baseline against SAO, per switch: Welch's test on the mean reward
+  # over the phase after the switch.
+  sao_runs = training_runs.ok_runs(summaries, 'sao')
+  for variant in variants:
+    if variant == 'sao':
+      continue
+    runs = training_runs.ok_runs(summaries, variant)
+    for i, entry in enumerate(per_variant[variant]):
+      entry['sao_minus_this'] = training_runs.welch(
+          [r['switches'][i]['post_switch_mean_reward'] for r in sao_runs],
+          [r['switches'][i]['post_switch_mean_reward'] for r in runs])
+  _plot(summaries, variants, switches, args.plot)
   training_runs.write_result(args.out, {
       'benchmark': 'online', 'quick': args.quick,
       'command': ' '.join(['python', 'benchmarks/online.py'] + sys.argv[1:]),
       'machine': training_runs.machine(), 'config': CONFIG,
       'overrides': {k: list(v) if isinstance(v, tuple) else v
                     for k, v in overrides.items()},
-      'variants': {v: name for v, (name, _) in VARIANTS.items()},
+      'variants': {v: name for v, (name, _) in variants.items()},
       'per_switch': per_variant, 'runs': summaries})
   print('| variant | switch step | recovered to 90% | median steps to recover'
-        ' | mean reward after switch |')
-  print('|---|---|---|---|---|')
+        ' | mean reward after switch | SAO minus this (Welch p) |')
+  print('|---|---|---|---|---|---|')
   for variant, per_switch in per_variant.items():
     for s in per_switch:
       median = s['median_steps_to_recover_90']
+      test = s.get('sao_minus_this')
+      versus = '-' if test is None else (
+          f'{test["difference"]:+.3f}' + (
+              f' (p = {test["p"]:.2g})' if test['p'] == test['p'] else ''))
       print(f'| {variant} | {s["switch_step"]} | {s["recovered"]} |'
             f' {"-" if median is None else f"{median:.0f}"} |'
             f' {s["post_switch_mean_reward"]:.3f} ±'
-            f' {s["post_switch_mean_reward_se"]:.3f} |')
+            f' {s["post_switch_mean_reward_se"]:.3f} | {versus} |')
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 
-def _plot(summaries, switches, path):
+def _plot(summaries, variants, switches, path):
   # pylint: disable=g-import-not-at-top
   from matplotlib import figure as mpl_figure
   from matplotlib.backends import backend_agg
   fig = mpl_figure.Figure(figsize=(8, 4), dpi=100)
   backend_agg.FigureCanvasAgg(fig)
   ax = fig.subplots()
-  for variant in VARIANTS:
+  for variant in variants:
     runs = training_runs.ok_runs(summaries, variant)
     if not runs:
       continue

@@ -205,10 +205,19 @@ def test_ablations_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_online_benchmark_quick(tmp_path):
   result, stdout = _quick('online.py', tmp_path)
-  assert set(result['per_switch']) == {'sao', 'running_mean (W=128)'}
+  baseline = 'running_mean (per question, W=8)'
+  assert set(result['per_switch']) == {'sao', baseline}
   for run in result['runs']:
     _check_run(run, 6)
     assert [s['switch_step'] for s in run['switches']] == [2, 4]
+  per_question = next(r for r in result['runs'] if r['variant'] == baseline)
+  assert '--config.advantage.running_mean_scope=prompt' in (
+      per_question['command'])
+  # One seed each: the difference is reported, a test needs two.
+  for sao, entry in zip(result['per_switch']['sao'],
+                        result['per_switch'][baseline]):
+    assert entry['sao_minus_this']['difference'] == pytest.approx(
+        sao['post_switch_mean_reward'] - entry['post_switch_mean_reward'])
   assert '| sao | 2 |' in stdout
 
 
