@@ -120,7 +120,10 @@ def get_config(arg=None):
       observation_words=6,  # words of the user turn between replies
       delay_median_s=0.0,  # median simulated latency of a turn; 0: none
       delay_sigma=1.0,  # lognormal sigma of that latency (heavy tail)
-      delay_max_s=0.0))  # cap on one delay; 0: none
+      delay_max_s=0.0,  # cap on one delay; 0: none
+      # Replies the reward counts: all (pooled) | first (the first reply
+      # only, rewarded at the end: credit must cross the observations).
+      scored_reply='all'))
   # Online learning (SAO.md §5): the rewarded answer format switches.
   #   enabled: wrap the task in the switching reward
   #   formats: the rewarded answer format of each phase

@@ -29,6 +29,7 @@ from sao_jax import errors
 from sao_jax import kernels
 from sao_jax import sharding
 from sao_jax.envs import registry
+from sao_jax.envs import word_target
 from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.rl import algorithms
@@ -399,6 +400,7 @@ def _check_word_target(check: _Checker, problems: list[str]) -> None:
   check.non_negative('task.word_target.delay_median_s')
   check.non_negative('task.word_target.delay_sigma')
   check.non_negative('task.word_target.delay_max_s')
+  check.choice('task.word_target.scored_reply', word_target.SCORED_REPLIES)
   steps = check.get('task.word_target.switch_steps')
   if steps is not None:
     steps = tuple(steps) if isinstance(steps, (tuple, list)) else (steps,)

@@ -258,6 +258,20 @@ def test_group_waiting_benchmark_quick(tmp_path):
   assert '| grpo_dis G=4 sigma=1 | 1 |' in stdout
 
 
+@pytest.mark.slow
+def test_credit_assignment_benchmark_quick(tmp_path):
+  result, stdout = _quick('credit_assignment.py', tmp_path)
+  runs = {r['variant']: r for r in result['runs']}
+  assert set(runs) == {'sao', 'running_mean'}
+  for run in runs.values():
+    _check_run(run, 3)
+    assert '--config.task.word_target.scored_reply=first' in run['command']
+  assert 'critic/explained_variance' in runs['sao']['stability']
+  assert 'critic/explained_variance' not in runs['running_mean']['stability']
+  assert 'running_mean' in result['sao_minus_this_area']
+  assert '| SAO minus |' in stdout
+
+
 def test_accelerator_check_dry_run_plans_every_step(tmp_path):
   out = tmp_path / 'accelerator.json'
   proc = _script('benchmarks/accelerator.py', '--dry-run', f'--out={out}',

@@ -73,6 +73,7 @@ def test_presets_follow_the_paper():
     ('rollout.top_p', 0.0, r'config.rollout.top_p=0.0 must be in \(0, 1\]'),
     ('rollout.max_sequence_length', 4096, r'max_sequence_length=4096 must be <= config.rollout.max_target_length=160'),
     ('kernels.implementation', 'cuda', r"config.kernels.implementation='cuda' is not one of"),
+    ('rollout.param_dtype', 'float16', r"config.rollout.param_dtype='float16' is not one of , float32, bfloat16"),
     ('eval.temperature', -0.5, r'config.eval.temperature=-0.5 must be >= 0'),
 ])
 def test_validate_names_the_bad_key(key, value, message):
@@ -97,6 +98,7 @@ def test_validate_names_the_bad_key(key, value, message):
     ('switch_steps', (-5, 20), r'switch_steps=\(-5, 20\) must be strictly increasing'),
     ('turns', 0, r'config.task.word_target.turns=0 must be >= 1'),
     ('observation_words', 0, r'config.task.word_target.observation_words=0 must be >= 1'),
+    ('scored_reply', 'last', r"config.task.word_target.scored_reply='last' is not one of all, first"),
 ])
 def test_word_target_options_are_validated(key, value, message):
   config = default()

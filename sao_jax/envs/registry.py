@@ -67,7 +67,7 @@ def make(task) -> base.Environment:
         seed=task.seed, switch_steps=tuple(w.switch_steps), turns=w.turns,
         observation_words=w.observation_words,
         delay_median_s=w.delay_median_s, delay_sigma=w.delay_sigma,
-        delay_max_s=w.delay_max_s or None)
+        delay_max_s=w.delay_max_s or None, scored_reply=w.scored_reply)
   elif task.name == 'jsonl':
     from sao_jax.envs import jsonl_dataset  # pylint: disable=g-import-not-at-top
     j = task.jsonl

@@ -23,6 +23,8 @@ from sao_jax.envs import latency
 # Task metadata key of the word counts of an episode's earlier replies:
 # (words, even-numbered words, odd-numbered words).
 _COUNTS = 'word_counts'
+#: Which replies' words the reward counts (`WordTarget(scored_reply=...)`).
+SCORED_REPLIES = ('all', 'first')
 
 
 def count_words(text: str) -> tuple[int, int, int]:
@@ -46,7 +48,8 @@ class WordTarget(base.Environment):
   def __init__(self, vocab: int = 64, seed: int = 0,
                switch_steps: Sequence[int] = (), turns: int = 1,
                observation_words: int = 6, delay_median_s: float = 0.0,
-               delay_sigma: float = 1.0, delay_max_s: float | None = None):
+               delay_sigma: float = 1.0, delay_max_s: float | None = None,
+               scored_reply: str = 'all'):
     """Configures the task, its phases, turns and simulated latency.
 
     Args:
@@ -59,6 +62,11 @@ class WordTarget(base.Environment):
       delay_median_s: median simulated latency of a turn; 0 disables it.
       delay_sigma: lognormal sigma (log-space standard deviation).
       delay_max_s: optional cap on one delay.
+      scored_reply: 'all' pools the words of every reply; 'first' scores the
+        first reply only, with the reward still given at the episode's end:
+        the later replies cannot change it, so credit must reach back across
+        the observations to the first (a credit-assignment test; a critic
+        that reads the first reply can predict the return from there on).
     """
     switch_steps = tuple(switch_steps)
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 0
@@ -70,6 +78,10 @@ class WordTarget(base.Environment):
       raise ValueError(f'need turns >= 1 and observation_words >= 1, got'
                        f' {turns} and {observation_words}')
     latency.check(delay_median_s, delay_sigma, delay_max_s)
+    if scored_reply not in SCORED_REPLIES:
+      raise ValueError(f'scored_reply must be one of {SCORED_REPLIES}, got'
+                       f' {scored_reply!r}')
+    self.scored_reply = scored_reply
     self._vocab = vocab
     self._seed = seed
     self.switch_steps = switch_steps
@@ -111,6 +123,8 @@ class WordTarget(base.Environment):
   def step(self, task: base.Task, turn: int, action_text: str
            ) -> base.StepResult:
     reply = count_words(action_text)
+    if self.scored_reply == 'first' and turn > 0:
+      reply = (0, 0, 0)  # read, judged by nothing
     before = task.metadata.get(_COUNTS, (0, 0, 0))
     words, even, odd = (a + b for a, b in zip(before, reply))
     if turn < self.max_turns - 1:

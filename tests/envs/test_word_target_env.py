@@ -141,6 +141,25 @@ def test_multi_turn_episode_hand_worked():
   assert env.step(task, 2, 'w1 w6 w8 w9 w11').reward == pytest.approx(0.4)
 
 
+def test_first_reply_scoring_ignores_every_later_reply():
+  """scored_reply='first': 'w2 w4 w5' scores 2/3 at the end of the episode,
+  whatever the later replies say."""
+  env = word_target.WordTarget(turns=3, observation_words=4,
+                               scored_reply='first')
+  task = env.task('train', 5)
+  first = env.step(task, 0, 'w2 w4 w5')
+  assert not first.done and first.info['words'] == 3
+  for later in ('w1 w3 w5 w7', 'w0 w2 w4 w6 w8', ''):
+    second = env.step(first.next_task, 1, later)
+    assert second.info['words'] == 0  # read, judged by nothing
+    last = env.step(second.next_task, 2, later)
+    assert last.done and last.reward == pytest.approx(2 / 3)
+    assert last.info['words'] == 3
+  # The observations are those of the pooled task: only the score differs.
+  assert first.observation == word_target.WordTarget(
+      turns=3, observation_words=4).step(task, 0, 'w1').observation
+
+
 class ScriptedPool:
   """A server pool that answers each request with the next scripted reply."""
 
@@ -259,6 +278,8 @@ def test_bad_options_are_clear_errors():
     word_target.WordTarget(delay_median_s=-0.1)
   with pytest.raises(ValueError, match=r'cap must be > 0'):
     latency.check(1.0, 1.0, 0.0)
+  with pytest.raises(ValueError, match='scored_reply must be one of'):
+    word_target.WordTarget(scored_reply='last')
 
 
 def test_config_builds_the_configured_environment():
@@ -266,9 +287,11 @@ def test_config_builds_the_configured_environment():
   config.task.word_target.switch_steps = (20, 40)
   config.task.word_target.turns = 2
   config.task.word_target.delay_median_s = 0.5
+  config.task.word_target.scored_reply = 'first'
   config_lib.validate(config, num_devices=1)
   env = registry.make(config.task)
   assert isinstance(env, word_target.WordTarget) and env.max_turns == 2
+  assert env.scored_reply == 'first'
   assert env.turn_latency(env.task('train', 0), 0) > 0
   assert env.delay_max_s is None  # 0 in the config: no cap
   env.on_policy_step(20)
