@@ -3,6 +3,9 @@ r"""SAO against the GRPO family at an equal trajectory budget (SAO.md §3).
   python benchmarks/algorithms.py                  # 5 algorithms x 5 seeds
   python benchmarks/algorithms.py --quick          # CI: 2 algorithms, 3 steps
   python benchmarks/algorithms.py --recipe=demo --seeds=2   # SmolLM2, slow
+  python benchmarks/algorithms.py --recipe=chain_sums --algorithms=sao,grpo,grpo_dis \
+      --seeds=3 --resume --out=benchmarks/results/algorithms_chain_sums.json \
+      --plot=benchmarks/results/algorithms_chain_sums.png    # ~90 min
 
 Every run is `python -m sao_jax.train` with the recipe's config and
 `algorithm=<name>`: the same model, task, batch of B trajectories per policy
@@ -17,6 +20,15 @@ Recipes:
   demo  SmolLM2-135M-Instruct on one-digit chain sums (configs/default.py,
         the README's main job): about 13 minutes per run; the slower
         confirmation on a real model and task.
+  chain_sums  the demo stopped at step 11 (held-out accuracy at steps 0 and
+        11): about 10 minutes per run.
+
+The result file (`--out`) is rewritten after each run, so a long grid can be
+committed as it goes; with `--resume`, a run already in it with the same
+command is not run again, which resumes the grid on a fresh checkout (the
+run's workdir resumes it on the same machine either way). Where seeds pair up,
+each algorithm's final held-out accuracy is compared with SAO's by a paired
+t-test over seeds (the same seed: the same task order and held-out set).
 
 Writes the per-run summaries and the per-algorithm aggregate to a JSON file,
 held-out accuracy against trajectories consumed and against wall-clock to a
@@ -43,6 +55,9 @@ RECIPES = {
         'total_steps': 40, 'eval.every': 5, 'task.held_out': 128,
         'eval.temperature': 1.0, 'eval.batch_size': 64}),
     'demo': ('configs/default.py', 16, {}),
+    # Issue 16's SmolLM2 grid: the demo's recipe stopped at step 11, where
+    # its held-out accuracy peaks (README, main job); ~10 min a run.
+    'chain_sums': ('configs/default.py', 16, {'total_steps': 11}),
 }
 #: CI's quick mode checks the machinery: value pretraining is cut to 2 batches
 #: (it runs ~13 by its plateau rule on this recipe).
@@ -67,6 +82,8 @@ def main():
                       help='held-out accuracy for "trajectories / seconds to"')
   parser.add_argument('--quick', action='store_true',
                       help='sao and grpo, one seed, 3 steps (CI)')
+  parser.add_argument('--resume', action='store_true',
+                      help='reuse the runs already in --out (same command)')
   parser.add_argument('--workdir', default='runs/benchmarks/algorithms')
   parser.add_argument('--out', default='benchmarks/results/algorithms.json')
   parser.add_argument('--plot', default='benchmarks/results/algorithms.png')
@@ -80,27 +97,65 @@ def main():
   specs = [training_runs.RunSpec(name, seed, f'{config}:algorithm={name}',
                                  overrides)
            for seed in range(seeds) for name in algorithms]
+
+  def report(summaries, final=False):
+    aggregated = training_runs.aggregate(summaries, algorithms)
+    to_target = training_runs.time_to_target(summaries, algorithms,
+                                             args.target)
+    versus_sao = paired_against_sao(summaries, algorithms)
+    training_runs.plot_accuracy(
+        summaries, algorithms, args.plot,
+        f'algorithms at equal trajectory budget ({args.recipe},'
+        f' B={batch_size})')
+    training_runs.write_result(args.out, {
+        'benchmark': 'algorithms', 'recipe': args.recipe,
+        'quick': args.quick, 'complete': final,
+        'command': ' '.join(['python', 'benchmarks/algorithms.py']
+                            + sys.argv[1:]),
+        'machine': training_runs.machine(), 'config': config,
+        'overrides': overrides, 'aggregate': aggregated,
+        'target_accuracy': args.target, 'to_target': to_target,
+        'final_accuracy_paired_with_sao': versus_sao, 'runs': summaries})
+    return aggregated, to_target, versus_sao
+
   summaries = training_runs.run_grid(
       specs, os.path.join(args.workdir, args.recipe + ('-quick' if args.quick
                                                        else '')),
-      batch_size=batch_size)
-  aggregated = training_runs.aggregate(summaries, algorithms)
-  to_target = training_runs.time_to_target(summaries, algorithms, args.target)
-  training_runs.plot_accuracy(
-      summaries, algorithms, args.plot,
-      f'algorithms at equal trajectory budget ({args.recipe}, B={batch_size})')
-  training_runs.write_result(args.out, {
-      'benchmark': 'algorithms', 'recipe': args.recipe, 'quick': args.quick,
-      'command': ' '.join(['python', 'benchmarks/algorithms.py']
-                          + sys.argv[1:]),
-      'machine': training_runs.machine(), 'config': config,
-      'overrides': overrides, 'aggregate': aggregated,
-      'target_accuracy': args.target, 'to_target': to_target,
-      'runs': summaries})
+      batch_size=batch_size,
+      finished=training_runs.load_finished(args.out) if args.resume else None,
+      on_run=report)
+  aggregated, to_target, versus_sao = report(summaries, final=True)
   print(training_runs.markdown_table(aggregated, STABILITY_COLUMNS))
   print()
   print(training_runs.target_table(to_target, args.target))
+  if versus_sao:
+    print()
+    print('| final held-out, SAO minus | seeds | difference ± paired SE | p |')
+    print('|---|---|---|---|')
+    for name, test in versus_sao.items():
+      p = '-' if test['p'] != test['p'] else f'{test["p"]:.2g}'
+      print(f'| {name} | {test["seeds"]} | {test["difference"]:+.3f} ±'
+            f' {test["se"]:.3f} | {p} |')
   print(f'plot: {args.plot}\nresult: {args.out}')
+
+
+def paired_against_sao(summaries, algorithms):
+  """Per algorithm: SAO's final held-out accuracy minus its, paired by seed
+  over the seeds both finished."""
+  if 'sao' not in algorithms:
+    return {}
+  sao = {r['seed']: r for r in training_runs.ok_runs(summaries, 'sao')}
+  out = {}
+  for name in algorithms:
+    if name == 'sao':
+      continue
+    runs = {r['seed']: r for r in training_runs.ok_runs(summaries, name)}
+    seeds = sorted(set(sao) & set(runs))
+    if seeds:
+      out[name] = dict(training_runs.paired(
+          [sao[s]['final_accuracy'] for s in seeds],
+          [runs[s]['final_accuracy'] for s in seeds]), seeds=len(seeds))
+  return out
 
 
 if __name__ == '__main__':

@@ -138,8 +138,27 @@ def run_environment(root: str) -> dict[str, str]:
   return env
 
 
+def run_key(command: str) -> str:
+  """A run's command without its workdir: what identifies the run across
+  machines and checkouts."""
+  return ' '.join(t for t in command.split() if not t.startswith('--workdir='))
+
+
+def load_finished(path: str) -> dict[str, dict[str, Any]]:
+  """The finished runs of an earlier result file (none if it does not
+  exist), by `run_key`: a grid whose result is committed resumes on a fresh
+  checkout."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    runs = json.load(f).get('runs', [])
+  return {run_key(r['command']): r for r in runs if 'failed' not in r}
+
+
 def run_grid(specs: Sequence[RunSpec], root: str, *, batch_size: int,
-             timeout_s: float = 1800) -> list[dict[str, Any]]:
+             timeout_s: float = 1800,
+             finished: Mapping[str, Mapping[str, Any]] | None = None,
+             on_run=None) -> list[dict[str, Any]]:
   """Runs every spec (unless already done) and returns their summaries.
 
   A run that fails (non-zero exit, timeout) is reported with `failed` set and
@@ -152,15 +171,26 @@ def run_grid(specs: Sequence[RunSpec], root: str, *, batch_size: int,
     timeout_s: wall-clock limit per run.
     batch_size: trajectories per policy step (the config's `batch_size`),
       for the trajectory axis.
+    finished: summaries of runs done earlier (`load_finished` of a committed
+      result), by `run_key`; a spec whose command matches one is not rerun.
+    on_run: called with the summaries so far after each new run (a long
+      grid writes its partial result, to be committed as it goes).
 
   Returns:
     One summary per spec (`summarize_run` plus the spec's fields).
   """
   os.makedirs(root, exist_ok=True)
+  finished = finished or {}
   summaries = []
   for i, spec in enumerate(specs):
     workdir = os.path.join(root, spec.name)
     summary_path = os.path.join(workdir, 'summary.json')
+    key = run_key(' '.join(spec.command(workdir)[1:]))
+    if key in finished:
+      summaries.append(dict(finished[key]))
+      print(f'[{i + 1}/{len(specs)}] {spec.name}: in the earlier result',
+            flush=True)
+      continue
     if os.path.exists(summary_path):
       with open(summary_path) as f:
         summaries.append(json.load(f))
@@ -197,6 +227,8 @@ def run_grid(specs: Sequence[RunSpec], root: str, *, batch_size: int,
       with open(summary_path, 'w') as f:
         json.dump(summary, f, indent=1)
     summaries.append(summary)
+    if on_run is not None:
+      on_run(list(summaries))
   return summaries
 
 

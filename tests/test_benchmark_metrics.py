@@ -1,5 +1,6 @@
 """The evidence benchmarks' reductions, on hand-worked curves."""
 
+import json
 import os
 import sys
 
@@ -97,3 +98,26 @@ def test_collapse_below_half_peak_needs_five_steps_under_half_the_peak():
   # A run that never learned (peak below 0.2) has nothing to collapse from.
   assert training_runs.collapse_below_half_peak(
       steps, [0.1] * 6 + [0.0] * 6) is None
+
+
+def test_a_grid_resumes_from_an_earlier_result_without_rerunning(tmp_path):
+  """A run whose command (workdir aside) is in the earlier result is taken
+  from it; the others would run (here: none is left to run)."""
+  spec = training_runs.RunSpec('sao', 1, 'configs/tiny.py:algorithm=sao',
+                               {'total_steps': 3})
+  earlier = dict(variant='sao', seed=1, final_accuracy=0.5, command=' '.join(
+      spec.command('/elsewhere/sao/seed1')[1:]))
+  result = tmp_path / 'result.json'
+  result.write_text(json.dumps({'runs': [earlier]}))
+  finished = training_runs.load_finished(str(result))
+  calls = []
+  summaries = training_runs.run_grid([spec], str(tmp_path / 'runs'),
+                                     batch_size=16, finished=finished,
+                                     on_run=calls.append)
+  assert summaries == [earlier]
+  assert calls == []  # nothing new ran
+  other = training_runs.RunSpec('sao', 1, 'configs/tiny.py:algorithm=sao',
+                                {'total_steps': 4})
+  assert training_runs.run_key(' '.join(other.command('/x')[1:])) not in (
+      finished)
+  assert training_runs.load_finished(str(tmp_path / 'missing.json')) == {}
