@@ -146,13 +146,10 @@ else:
   config.total_steps = TOTAL_STEPS
   config.task.held_out = HELD_OUT
   config.eval.every = max(TOTAL_STEPS // 2, 1)
-  # This process holds the learner and the rollout engine together; two
-  # settings keep it under 6 GB: AdamW's first moments in bfloat16 (0.4 GiB
-  # less for SmolLM2) and the engine's weights in bfloat16 (0.25 GiB less;
-  # the DIS ratio against the engine's mu_t corrects for the rounding).
+  # This process holds the learner and the rollout engine together. AdamW's
+  # first moments in bfloat16 (0.4 GiB less for SmolLM2) keep it under 6 GB.
   for role in ('actor', 'critic'):
     config.optim[role].mu_dtype = 'bfloat16'
-  config.rollout.param_dtype = 'bfloat16'
   if MODEL_DIR:
     missing = [name for name in ('config.json', 'tokenizer.json')
                if not os.path.isfile(os.path.join(MODEL_DIR, name))]
@@ -161,6 +158,12 @@ else:
     if missing:
       raise FileNotFoundError(f'{MODEL_DIR} lacks {", ".join(missing)}')
     config.model.source = MODEL_DIR
+  else:
+    # The engine sized to SmolLM2's chain-sum prompts (52 tokens) and 12-token
+    # replies: a KV cache of 80 positions per slot instead of 160. Another
+    # model's chat template may make the prompt longer: the defaults stay.
+    config.rollout.max_prefill_length = 64
+    config.rollout.max_target_length = 80
 config_lib.validate(config)
 print(f'{config.algorithm} on {config.model.source} / {config.task.name}:'
       f' {config.total_steps} steps of {config.batch_size} trajectories,'

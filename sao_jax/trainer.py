@@ -222,8 +222,12 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
                   progress)
         memory.mark('eval')
       stopped = stop_flag.should_stop() or stopped
-      if ckpt.save(step, state, _metadata(
-          config, ledger, slots, rollouts, before, restart), force=stopped):
+      # The last step is saved after the loop, once the rollouts are
+      # stopped: written here, its write overlapped the rollouts (in the
+      # Colab quickstart, an engine decoding in this process).
+      if (step < config.total_steps or stopped) and ckpt.save(
+          step, state, _metadata(config, ledger, slots, rollouts, before,
+                                 restart), force=stopped):
         memory.mark('checkpoint')
       if stopped:
         break
@@ -234,14 +238,15 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
           config, ledger, slots, rollouts, before, restart), force=True)
       progress.print_line(f'stop requested: saved step {step}')
     else:
-      # Saved, written and the rollouts stopped before the last held-out
-      # evaluation, so that its decoding runs beside neither a checkpoint
-      # write nor rollout workers: overlapped, the end of the run was its
-      # peak (the demo's learner: 5.54 GiB, its steps 5.10; BENCHMARKS.md).
-      ckpt.save(step, state, _metadata(
-          config, ledger, slots, rollouts, before, restart), force=True)
+      # The rollouts stopped, then the last step saved and written, before
+      # the last held-out evaluation: its decoding runs beside neither a
+      # checkpoint write nor rollout workers, nor does the write run beside
+      # the workers. Overlapped, the end of the run was its peak (the demo's
+      # learner: 5.54 GiB, its steps 5.10; BENCHMARKS.md).
+      metadata = _metadata(config, ledger, slots, rollouts, before, restart)
       rollouts.stop()
       rollouts = None
+      ckpt.save(step, state, metadata, force=True)
       ckpt.wait()
       process_memory.return_free_pages()
       after = _evaluate(learner, state, tok, env, held_out, config, logger,
