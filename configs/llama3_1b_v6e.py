@@ -35,6 +35,7 @@ def get_config(arg=None):
   for role, lr in (('actor', 1e-6), ('critic', 5e-6)):  # the paper's rates
     c.optim[role].learning_rate = lr
     c.optim[role].warmup_steps = 10
+    c.optim[role].schedule = 'constant'
   c.total_steps = 1000
   c.critic.pretrain_steps = 50
   return c

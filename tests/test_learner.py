@@ -28,6 +28,7 @@ def make_config(algorithm='sao', lr=1e-2, **changes):
   for role in ('actor', 'critic'):
     config.optim[role].learning_rate = lr
     config.optim[role].warmup_steps = 0
+    config.optim[role].schedule = 'constant'  # the references assume it
   for key, value in changes.items():
     node = config
     *parents, leaf = key.split('.')

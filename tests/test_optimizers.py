@@ -20,6 +20,7 @@ def _actor_cfg(mu_dtype):
       os.path.join(ROOT, 'configs', 'default.py')).optim.actor
   cfg.learning_rate = 1e-2
   cfg.warmup_steps = 0
+  cfg.schedule = 'constant'  # the numpy Adam's rate is fixed
   cfg.grad_clip_norm = 1e9  # clipping is not what this file checks
   cfg.weight_decay = 0.1
   cfg.mu_dtype = mu_dtype
