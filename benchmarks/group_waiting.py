@@ -37,6 +37,10 @@ Reported per (variant, sigma), mean ± standard error over seeds:
   * the learner's idle fraction (waiting for a batch).
 Each GRPO variant is compared with SAO by Welch's t-test on the seconds to
 target (runs that never reach it count as the run's full length).
+
+The result file is rewritten after each run (`complete` false until the grid
+ends), so a long grid can be committed as it goes; `--resume` reuses the runs
+already in it, which continues the grid on a fresh checkout.
 """
 
 from __future__ import annotations
@@ -203,6 +207,8 @@ def main():
   parser.add_argument('--quick', action='store_true',
                       help='sao and grpo_dis G=4 at sigma 1, one seed, 3'
                       ' steps, 0.05 s median delay (CI)')
+  parser.add_argument('--resume', action='store_true',
+                      help='reuse the runs already in --out (same command)')
   parser.add_argument('--workdir', default='runs/benchmarks/group_waiting')
   parser.add_argument('--out', default='benchmarks/results/group_waiting.json')
   parser.add_argument('--plot', default='benchmarks/results/group_waiting.png')
@@ -240,22 +246,30 @@ def main():
             f'{CONFIG}:algorithm={algorithm}',
             dict(overrides, **run_overrides(group, args.staleness),
                  **{'task.word_target.delay_sigma': sigma})))
+
+  def publish(summaries, complete=False):
+    rows = report(summaries, labels, sigmas, args.target)
+    plot(summaries, rows, labels, sigmas, args.plot,
+         f'group waiting: lognormal tool latency (median {median} s), max'
+         f' staleness {args.staleness}, B={BATCH_SIZE}, {seeds} seeds')
+    training_runs.write_result(args.out, {
+        'benchmark': 'group_waiting', 'quick': args.quick,
+        'complete': complete,
+        'command': ' '.join(['python', 'benchmarks/group_waiting.py']
+                            + sys.argv[1:]),
+        'machine': training_runs.machine(), 'config': CONFIG,
+        'overrides': overrides, 'staleness': args.staleness,
+        'target_accuracy': args.target,
+        'variants': {label: VARIANTS[label] for label in labels},
+        'sigmas': sigmas, 'report': rows, 'runs': summaries})
+    return rows
+
   summaries = training_runs.run_grid(
       specs, args.workdir + ('-quick' if args.quick else ''),
-      batch_size=BATCH_SIZE)
-  rows = report(summaries, labels, sigmas, args.target)
-  plot(summaries, rows, labels, sigmas, args.plot,
-       f'group waiting: lognormal tool latency (median {median} s), max'
-       f' staleness {args.staleness}, B={BATCH_SIZE}, {seeds} seeds')
-  training_runs.write_result(args.out, {
-      'benchmark': 'group_waiting', 'quick': args.quick,
-      'command': ' '.join(['python', 'benchmarks/group_waiting.py']
-                          + sys.argv[1:]),
-      'machine': training_runs.machine(), 'config': CONFIG,
-      'overrides': overrides, 'staleness': args.staleness,
-      'target_accuracy': args.target,
-      'variants': {label: VARIANTS[label] for label in labels},
-      'sigmas': sigmas, 'report': rows, 'runs': summaries})
+      batch_size=BATCH_SIZE,
+      finished=training_runs.load_finished(args.out) if args.resume else None,
+      on_run=publish)
+  rows = publish(summaries, complete=True)
   print(markdown(rows, args.target))
   print(f'plot: {args.plot}\nresult: {args.out}')
 

@@ -30,7 +30,9 @@ fractions or the PPO clip fraction, gradient norms, realised staleness of
 the trained tokens (mean and p95).
 
 Same recipe as benchmarks/algorithms.py (tiny random model on word_target),
-run longer (`--total-steps`).
+run longer (`--total-steps`). The result file is rewritten after each run
+(`complete` false until the grid ends); `--resume` reuses the runs already in
+it, which continues the grid on a fresh checkout.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def main():
                       help="the actor's learning rate over the recipe's")
   parser.add_argument('--quick', action='store_true',
                       help='sao at bounds 0 and 4, one seed, 3 steps (CI)')
+  parser.add_argument('--resume', action='store_true',
+                      help='reuse the runs already in --out (same command)')
   parser.add_argument('--workdir', default='runs/benchmarks/staleness')
   parser.add_argument('--out', default='benchmarks/results/staleness.json')
   parser.add_argument('--plot', default='benchmarks/results/staleness.png')
@@ -131,33 +135,41 @@ def main():
                     'rollout.num_workers': (bound + 1) * batch_size,
                     'rollout.queue_capacity': 0})))
   specs.sort(key=lambda s: s.seed)  # a whole first seed before the second
+  title = (f'max staleness ({args.recipe}, B={batch_size}, M='
+           f'{args.minibatches}, actor lr {learning_rate:g}, {seeds} seeds)')
+
+  def publish(summaries, complete=False):
+    for run in summaries:
+      if 'failed' not in run:
+        run['collapse_rule_step'] = collapse(run)
+    aggregated = training_runs.aggregate(summaries, variants)
+    for variant, row in aggregated.items():
+      runs = training_runs.ok_runs(summaries, variant)
+      row['collapsed_by_rule'] = sum(r['collapse_rule_step'] is not None
+                                     for r in runs)
+      row['collapse_rule_steps'] = [r['collapse_rule_step'] for r in runs
+                                    if r['collapse_rule_step'] is not None]
+    _plot(aggregated, labels, bounds, args.plot, title)
+    training_runs.write_result(args.out, {
+        'benchmark': 'staleness', 'recipe': args.recipe, 'quick': args.quick,
+        'complete': complete,
+        'command': ' '.join(['python', 'benchmarks/staleness.py']
+                            + sys.argv[1:]),
+        'machine': training_runs.machine(), 'config': config,
+        'overrides': overrides,
+        'variants': {label: VARIANTS[label] for label in labels},
+        'collapse_rule': 'training reward below half its peak (3-step mean)'
+                         ' for 5 consecutive steps, or a non-finite skip',
+        'aggregate': aggregated, 'runs': summaries})
+    return aggregated
+
   summaries = training_runs.run_grid(
       specs, os.path.join(args.workdir, args.recipe + ('-quick' if args.quick
                                                        else '')),
-      batch_size=batch_size)
-  for run in summaries:
-    if 'failed' not in run:
-      run['collapse_rule_step'] = collapse(run)
-  aggregated = training_runs.aggregate(summaries, variants)
-  for variant, row in aggregated.items():
-    runs = training_runs.ok_runs(summaries, variant)
-    row['collapsed_by_rule'] = sum(r['collapse_rule_step'] is not None
-                                   for r in runs)
-    row['collapse_rule_steps'] = [r['collapse_rule_step'] for r in runs
-                                  if r['collapse_rule_step'] is not None]
-  title = (f'max staleness ({args.recipe}, B={batch_size}, M='
-           f'{args.minibatches}, actor lr {learning_rate:g}, {seeds} seeds)')
-  _plot(aggregated, labels, bounds, args.plot, title)
-  training_runs.write_result(args.out, {
-      'benchmark': 'staleness', 'recipe': args.recipe, 'quick': args.quick,
-      'command': ' '.join(['python', 'benchmarks/staleness.py']
-                          + sys.argv[1:]),
-      'machine': training_runs.machine(), 'config': config,
-      'overrides': overrides,
-      'variants': {label: VARIANTS[label] for label in labels},
-      'collapse_rule': 'training reward below half its peak (3-step mean)'
-                       ' for 5 consecutive steps, or a non-finite skip',
-      'aggregate': aggregated, 'runs': summaries})
+      batch_size=batch_size,
+      finished=training_runs.load_finished(args.out) if args.resume else None,
+      on_run=publish)
+  aggregated = publish(summaries, complete=True)
   print(markdown(aggregated))
   print(f'plot: {args.plot}\nresult: {args.out}')
 
