@@ -156,11 +156,7 @@ def markdown(rows, target) -> str:
 def plot(summaries, rows, labels, sigmas, path, title):
   """Held-out accuracy against wall-clock per sigma, and the group-wait
   share and token staleness against sigma."""
-  # pylint: disable=g-import-not-at-top
-  from matplotlib import figure as mpl_figure
-  from matplotlib.backends import backend_agg
-  fig = mpl_figure.Figure(figsize=(5 * (len(sigmas) + 2), 4), dpi=100)
-  backend_agg.FigureCanvasAgg(fig)
+  fig = training_runs.new_figure(5 * (len(sigmas) + 2))
   panels = fig.subplots(1, len(sigmas) + 2)
   colors = {}
   for ax, sigma in zip(panels, sigmas):
@@ -188,10 +184,7 @@ def plot(summaries, rows, labels, sigmas, path, title):
     ax.set_xticks(list(sigmas))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  training_runs.save_figure(fig, title, path)
 
 
 def main():

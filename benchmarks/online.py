@@ -168,11 +168,7 @@ def main():
 
 
 def _plot(summaries, variants, switches, path):
-  # pylint: disable=g-import-not-at-top
-  from matplotlib import figure as mpl_figure
-  from matplotlib.backends import backend_agg
-  fig = mpl_figure.Figure(figsize=(8, 4), dpi=100)
-  backend_agg.FigureCanvasAgg(fig)
+  fig = training_runs.new_figure(8)
   ax = fig.subplots()
   for variant in variants:
     runs = training_runs.ok_runs(summaries, variant)
@@ -188,12 +184,10 @@ def _plot(summaries, variants, switches, path):
     ax.axvline(switch, color='grey', linestyle='--', linewidth=1)
   ax.set_xlabel('policy step (dashed: rewarded target switches)')
   ax.set_ylabel('training reward (3-step avg; thin: seeds)')
-  ax.set_title('online learning: the rewarded word parity flips twice')
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  training_runs.save_figure(
+      fig, 'online learning: the rewarded word parity flips twice', path)
 
 
 if __name__ == '__main__':

@@ -193,11 +193,7 @@ def _plot(aggregated, labels, bounds, path, title):
   """Against the staleness bound, per variant: held-out accuracy (area),
   the collapse rate, the importance ratio's range, and the share of tokens
   DIS masks or the PPO clip clips."""
-  # pylint: disable=g-import-not-at-top
-  from matplotlib import figure as mpl_figure
-  from matplotlib.backends import backend_agg
-  fig = mpl_figure.Figure(figsize=(20, 4), dpi=100)
-  backend_agg.FigureCanvasAgg(fig)
+  fig = training_runs.new_figure(20)
   area_ax, collapse_ax, ratio_ax, mask_ax = fig.subplots(1, 4)
   for label in labels:
     rows = [aggregated[variant_name(label, b)] for b in bounds]
@@ -227,10 +223,7 @@ def _plot(aggregated, labels, bounds, path, title):
     ax.set_xticks(bounds)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  training_runs.save_figure(fig, title, path)
 
 
 if __name__ == '__main__':

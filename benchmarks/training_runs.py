@@ -509,13 +509,28 @@ def mean_curve(runs: Sequence[Mapping[str, Any]], x: str
   return xs, np.array([m for m, _ in stats]), np.array([e for _, e in stats])
 
 
+def new_figure(width: float, height: float = 4) -> mpl_figure.Figure:
+  """A figure drawn off-screen (no pyplot state, no display)."""
+  fig = mpl_figure.Figure(figsize=(width, height), dpi=100)
+  backend_agg.FigureCanvasAgg(fig)
+  return fig
+
+
+def save_figure(fig: mpl_figure.Figure, title: str, path: str) -> str:
+  """Titles, lays out and writes `fig` to `path` (its folder made)."""
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path)
+  return path
+
+
 def plot_accuracy(summaries: Sequence[Mapping[str, Any]],
                   variants: Sequence[str], path: str, title: str,
                   axes: Sequence[str] = ('trajectories', 'seconds')) -> str:
   """Held-out accuracy (mean over seeds, SE band) per variant, one panel
   per x axis; plus the smoothed training reward against steps."""
-  fig = mpl_figure.Figure(figsize=(5 * (len(axes) + 1), 4), dpi=100)
-  backend_agg.FigureCanvasAgg(fig)
+  fig = new_figure(5 * (len(axes) + 1))
   panels = fig.subplots(1, len(axes) + 1)
   for variant in variants:
     runs = ok_runs(summaries, variant)
@@ -539,11 +554,7 @@ def plot_accuracy(summaries: Sequence[Mapping[str, Any]],
   panels[-1].set_xlabel('policy step')
   panels[-1].set_ylabel('training reward (mean over seeds, 3-step avg)')
   panels[-1].grid(alpha=0.3)
-  fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
-  return path
+  return save_figure(fig, title, path)
 
 
 def markdown_table(aggregated: Mapping[str, Mapping[str, Any]],
