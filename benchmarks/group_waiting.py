@@ -173,7 +173,8 @@ def plot(summaries, rows, labels, sigmas, path, title):
     ax.set(title=f'latency sigma {sigma:g}', xlabel='wall-clock seconds',
            ylabel='held-out accuracy')
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a partial result may have none
+      ax.legend(fontsize=7)
   for ax, column in zip(panels[len(sigmas):],
                         ('group-wait share', 'token staleness p95')):
     for label in labels:
