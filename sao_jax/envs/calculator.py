@@ -145,18 +145,19 @@ class CalculatorEnvironment(base.Environment):
         info={'tool_calls': len(calls),
               'tool_errors': sum(r.startswith('<error>') for r in results)})
 
-  def tool_latency(self, task: base.Task, turn: int) -> float:
-    """Seconds the tool takes on turn `turn` of `task` (0 when disabled)."""
+  def tool_latency(self, task: base.Task, turn: int, calls: str = '') -> float:
+    """Seconds the tool takes on turn `turn` of `task` for the reply
+    `calls` (0 when disabled; `latency.lognormal_seconds`)."""
     return latency.lognormal_seconds(
         self.tool_delay_median_s, self.tool_delay_sigma, self.tool_delay_max_s,
-        self.seed, task.id, turn)
+        self.seed, task.id, turn, calls)
 
   async def astep(self, task: base.Task, turn: int, action_text: str
                   ) -> base.StepResult:
     """`step`, then the simulated tool latency if the turn called the tool."""
     result = self.step(task, turn, action_text)
     if not result.done and result.info.get('tool_calls'):
-      delay = self.tool_latency(task, turn)
+      delay = self.tool_latency(task, turn, action_text)
       if delay > 0:
         await asyncio.sleep(delay)
       result.info['tool_latency_s'] = delay

@@ -114,11 +114,12 @@ class WordTarget(base.Environment):
     return ' '.join(f'w{rng.randrange(self._vocab - 3)}'
                     for _ in range(self.observation_words))
 
-  def turn_latency(self, task: base.Task, turn: int) -> float:
-    """Seconds turn `turn` of `task` takes to judge (0 when disabled)."""
+  def turn_latency(self, task: base.Task, turn: int, reply: str = '') -> float:
+    """Seconds turn `turn` of `task` takes to judge `reply` (0 when
+    disabled); `latency.lognormal_seconds` says why the reply counts."""
     return latency.lognormal_seconds(self.delay_median_s, self.delay_sigma,
                                      self.delay_max_s, self._seed, task.id,
-                                     turn)
+                                     turn, reply)
 
   def step(self, task: base.Task, turn: int, action_text: str
            ) -> base.StepResult:
@@ -142,7 +143,7 @@ class WordTarget(base.Environment):
   async def astep(self, task: base.Task, turn: int, action_text: str
                   ) -> base.StepResult:
     """The simulated latency, then `step`: a late verdict sees a new phase."""
-    delay = self.turn_latency(task, turn)
+    delay = self.turn_latency(task, turn, action_text)
     if delay > 0:
       await asyncio.sleep(delay)
     result = self.step(task, turn, action_text)

@@ -141,7 +141,7 @@ def test_latency_deterministic_and_heavy_tailed():
 def test_astep_sleeps_only_on_tool_turns(monkeypatch):
   env = _env(tool_delay_median_s=0.05, tool_delay_sigma=0.5)
   task = env.task('eval', 0)
-  delay = env.tool_latency(task, 0)
+  delay = env.tool_latency(task, 0, '<calc>2*3</calc>')
 
   start = time.perf_counter()
   result = asyncio.run(env.astep(task, 0, '<calc>2*3</calc>'))
@@ -174,5 +174,5 @@ def test_concurrent_episodes_overlap_their_latency():
   start = time.perf_counter()
   asyncio.run(run_all())
   elapsed = time.perf_counter() - start
-  total = sum(env.tool_latency(t, 0) for t in tasks)
+  total = sum(env.tool_latency(t, 0, '<calc>1+1</calc>') for t in tasks)
   assert elapsed < 0.6 * total  # slept concurrently, not one after another

@@ -107,7 +107,11 @@ def test_step_never_sleeps_astep_sleeps_the_drawn_delay(monkeypatch):
 
   monkeypatch.setattr(asyncio, 'sleep', record)
   result = asyncio.run(env.astep(task, 1, 'w2 w4'))
-  assert slept == [env.turn_latency(task, 1)]
+  assert slept == [env.turn_latency(task, 1, 'w2 w4')]
+  # Another reply is another call: it waits its own draw (a GRPO group's
+  # members do not finish together).
+  assert env.turn_latency(task, 1, 'w2 w6') != slept[0]
+  assert env.turn_latency(task, 1, 'w2 w4') == slept[0]
   assert result.info['latency_s'] == slept[0] and result.reward == 1.0
   slept.clear()
   result = asyncio.run(word_target.WordTarget().astep(task, 0, 'w2'))
