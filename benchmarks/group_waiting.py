@@ -1,6 +1,6 @@
 r"""Group waiting under asynchrony: SAO's single rollouts against GRPO groups.
 
-  python benchmarks/group_waiting.py             # 5 variants x 3 sigmas x 5 seeds
+  python benchmarks/group_waiting.py             # 6 variants x 3 sigmas x 5 seeds
   python benchmarks/group_waiting.py --quick     # CI: sao, grpo_dis G=4; 3 steps
   python benchmarks/group_waiting.py --sigmas=1.0 --seeds=3
 
@@ -21,14 +21,17 @@ play one episode each, a GRPO worker a group of G at once, so GRPO gets
 episode ends and waits there for its siblings (`rollout/workers.py`), which
 is where the wait is measured.
 
-Variants: `sao` (1 rollout per prompt, trained on arrival), `grpo G=4|8`
+Variants: `sao` (1 rollout per prompt, trained on arrival), `running_mean`
+(1 rollout, no critic, DIS: the single-rollout pair of `grpo_dis`), `grpo G=4|8`
 (verl's GRPO: group advantages, PPO clip, M = 4 mini-batch steps) and
 `grpo_dis G=4|8` (group advantages with the DIS loss and one step: the
 schedule of SAO, so the pair isolates the groups).
 
 Reported per (variant, sigma), mean ± standard error over seeds:
   * seconds to the first held-out evaluation at or above `--target`
-    (128 prompts, sampled replies, every 2 steps) and the final accuracy;
+    (128 prompts, sampled replies, every 2 steps), from the program's start
+    and from the first RL step's (SAO's value pretraining and start-up
+    excluded), and the final accuracy;
   * realised staleness of the trained tokens (policy versions between the
     weights that sampled a token and those it trains: mean and p95, averaged
     over steps);
@@ -59,6 +62,10 @@ SIGMAS = (0.5, 1.0, 1.5)
 #: label -> (algorithm, group size G)
 VARIANTS = {
     'sao': ('sao', 1),
+    # Single rollouts without a critic: against grpo_dis (same DIS loss and
+    # one step, groups), the pair differs in the groups alone; SAO also pays
+    # for its critic (value pretraining, K = 2 critic steps per batch).
+    'running_mean': ('running_mean', 1),
     'grpo G=4': ('grpo', 4),
     'grpo G=8': ('grpo', 8),
     'grpo_dis G=4': ('grpo_dis', 4),
@@ -100,6 +107,13 @@ def seconds_to_target(run, target: float) -> float:
   return run['seconds'] if seconds is None else seconds
 
 
+def rl_seconds_to_target(run, target: float) -> float:
+  """`seconds_to_target` counted from the first RL step's start: without
+  start-up and value pretraining, which only the critic's variants pay."""
+  loop_start = run['seconds'] - run['loop_seconds']
+  return seconds_to_target(run, target) - loop_start
+
+
 def report(summaries, labels, sigmas, target):
   """Per (variant, sigma): the table's columns, means and SEs over seeds,
   and Welch's test of each variant against SAO on seconds to target."""
@@ -115,6 +129,8 @@ def report(summaries, labels, sigmas, target):
                  is not None for r in runs),
              'seconds_to_target': training_runs.mean_se(
                  [seconds_to_target(r, target) for r in runs]),
+             'rl_seconds_to_target': training_runs.mean_se(
+                 [rl_seconds_to_target(r, target) for r in runs]),
              'final_accuracy': training_runs.mean_se(
                  [r['final_accuracy'] for r in runs]),
              'area_under_accuracy': training_runs.mean_se(
@@ -127,6 +143,9 @@ def report(summaries, labels, sigmas, target):
         row['vs_sao_seconds_to_target'] = training_runs.welch(
             [seconds_to_target(r, target) for r in runs],
             [seconds_to_target(r, target) for r in sao])
+        row['vs_sao_rl_seconds_to_target'] = training_runs.welch(
+            [rl_seconds_to_target(r, target) for r in runs],
+            [rl_seconds_to_target(r, target) for r in sao])
       out[name] = row
   return out
 
@@ -136,9 +155,10 @@ def markdown(rows, target) -> str:
     mean, se = pair
     return '-' if mean != mean else f'{mean:.{digits}f} ± {se:.{digits}f}'
   head = (f'| variant | runs | reached {target} | seconds to {target} |'
-          ' final accuracy |' + ''.join(f' {c} |' for c, _, _ in COLUMNS)
+          f' RL seconds to {target} | final accuracy |'
+          + ''.join(f' {c} |' for c, _, _ in COLUMNS)
           + ' vs SAO, seconds to target (Welch p) |')
-  lines = [head, '|' + '---|' * (6 + len(COLUMNS))]
+  lines = [head, '|' + '---|' * (7 + len(COLUMNS))]
   for name, row in rows.items():
     test = row.get('vs_sao_seconds_to_target')
     versus = '-' if test is None else (
@@ -147,6 +167,7 @@ def markdown(rows, target) -> str:
     lines.append(
         f'| {name} | {row["runs"]} | {row["reached_target"]}/{row["runs"]} |'
         f' {fmt(row["seconds_to_target"], 1)} |'
+        f' {fmt(row["rl_seconds_to_target"], 1)} |'
         f' {fmt(row["final_accuracy"], 3)} |'
         + ''.join(f' {fmt(row[c], 3 if "share" in c or "idle" in c else 2)} |'
                   for c, _, _ in COLUMNS) + f' {versus} |')
