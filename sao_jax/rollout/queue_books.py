@@ -98,7 +98,6 @@ class Books:
     self._ready: collections.deque[list[_Item]] = collections.deque()
     self.ready_count = 0
     self._partial: dict[Any, list[_Item]] = {}  # group id -> members so far
-    self.waiting_for_group = 0  # members of the partial groups
     # group id -> 'released' | 'failed', oldest forgotten first.
     self._finished_groups: collections.OrderedDict[Any, str] = (
         collections.OrderedDict())
@@ -220,10 +219,8 @@ class Books:
       self._enqueue(item)
       members = self._partial.setdefault(group, [])
       members.append(item)
-      self.waiting_for_group += 1
       if len(members) == self.group_size:
         del self._partial[group]
-        self.waiting_for_group -= len(members)
         for member in members:
           member.ready_s = now
         self._ready.append(members)
@@ -268,7 +265,6 @@ class Books:
       return
     for item in self._partial.pop(group, []):
       self._dequeue(item)
-      self.waiting_for_group -= 1
       self.counters['dropped_incomplete_group'] += 1
     self.counters['dropped_groups'] += 1
     self._remember_group(group, 'failed')
@@ -346,7 +342,7 @@ class Books:
     out.update(
         in_flight=self.in_flight, queued=self.queued,
         ready=self.ready_count, partial_groups=len(self._partial),
-        waiting_for_group=self.waiting_for_group,
+        waiting_for_group=sum(len(m) for m in self._partial.values()),
         blocked_puts=self.blocked_puts,
         admission_headroom=self.headroom(),
         learner_version=self.learner_version,
