@@ -133,9 +133,8 @@ def main():
     print('| final held-out, SAO minus | seeds | difference ± paired SE | p |')
     print('|---|---|---|---|')
     for name, test in versus_sao.items():
-      p = '-' if test['p'] != test['p'] else f'{test["p"]:.2g}'
       print(f'| {name} | {test["seeds"]} | {test["difference"]:+.3f} ±'
-            f' {test["se"]:.3f} | {p} |')
+            f' {test["se"]:.3f} | {training_runs.p_text(test["p"])} |')
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 

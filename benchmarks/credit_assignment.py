@@ -69,10 +69,7 @@ def main():
   args = parser.parse_args()
 
   config, batch_size, overrides = algorithms.RECIPES['tiny']
-  names = args.variants.split(',')
-  unknown = sorted(set(names) - set(VARIANTS))
-  if unknown:
-    parser.error(f'unknown variants {unknown}; known: {list(VARIANTS)}')
+  names = training_runs.chosen_variants(parser, args.variants, VARIANTS)
   seeds = args.seeds
   overrides = dict(overrides, **{
       'total_steps': args.total_steps,
@@ -113,8 +110,8 @@ def main():
   print('| SAO minus | area difference | Welch p |')
   print('|---|---|---|')
   for name, test in versus_sao.items():
-    p = '-' if test['p'] != test['p'] else f'{test["p"]:.2g}'
-    print(f'| {name} | {test["difference"]:+.3f} | {p} |')
+    print(f'| {name} | {test["difference"]:+.3f} |'
+          f' {training_runs.p_text(test["p"])} |')
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 

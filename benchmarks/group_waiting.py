@@ -161,9 +161,9 @@ def markdown(rows, target) -> str:
   lines = [head, '|' + '---|' * (7 + len(COLUMNS))]
   for name, row in rows.items():
     test = row.get('vs_sao_seconds_to_target')
-    versus = '-' if test is None else (
-        f'{test["difference"]:+.1f} s (p = {test["p"]:.2g})'
-        if not math.isnan(test['p']) else f'{test["difference"]:+.1f} s')
+    versus = '-' if test is None else f'{test["difference"]:+.1f} s' + (
+        '' if math.isnan(test['p'])
+        else f' (p = {training_runs.p_text(test["p"])})')
     lines.append(
         f'| {name} | {row["runs"]} | {row["reached_target"]}/{row["runs"]} |'
         f' {fmt(row["seconds_to_target"], 1)} |'
@@ -229,10 +229,7 @@ def main():
   parser.add_argument('--plot', default='benchmarks/results/group_waiting.png')
   args = parser.parse_args()
 
-  labels = args.variants.split(',')
-  unknown = sorted(set(labels) - set(VARIANTS))
-  if unknown:
-    parser.error(f'unknown variants {unknown}; known: {list(VARIANTS)}')
+  labels = training_runs.chosen_variants(parser, args.variants, VARIANTS)
   sigmas = [float(s) for s in args.sigmas.split(',')]
   seeds, total, median = args.seeds, args.total_steps, args.delay_median
   if args.quick:

@@ -28,6 +28,7 @@ current when it finished):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -157,9 +158,9 @@ def main():
     for s in per_switch:
       median = s['median_steps_to_recover_90']
       test = s.get('sao_minus_this')
-      versus = '-' if test is None else (
-          f'{test["difference"]:+.3f}' + (
-              f' (p = {test["p"]:.2g})' if test['p'] == test['p'] else ''))
+      versus = '-' if test is None else f'{test["difference"]:+.3f}' + (
+          '' if math.isnan(test['p'])
+          else f' (p = {training_runs.p_text(test["p"])})')
       print(f'| {variant} | {s["switch_step"]} | {s["recovered"]} |'
             f' {"-" if median is None else f"{median:.0f}"} |'
             f' {s["post_switch_mean_reward"]:.3f} ±'

@@ -106,10 +106,7 @@ def main():
   args = parser.parse_args()
 
   config, batch_size, overrides = algorithms.RECIPES[args.recipe]
-  labels = args.variants.split(',')
-  unknown = sorted(set(labels) - set(VARIANTS))
-  if unknown:
-    parser.error(f'unknown variants {unknown}; known: {list(VARIANTS)}')
+  labels = training_runs.chosen_variants(parser, args.variants, VARIANTS)
   bounds = [int(b) for b in args.bounds.split(',')]
   seeds = args.seeds
   recipe_config = training_runs.load_recipe_config(config)

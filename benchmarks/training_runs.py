@@ -249,16 +249,11 @@ def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
   if not evals or not rewards:
     raise ValueError(f'{workdir}: the log holds no evaluation or no reward')
   reward_values = np.array([v for _, _, v in rewards])
-  stability = {}
-  for key in STABILITY_KEYS:
-    values = [float(r[key]) for r in records if _finite(r.get(key))]
-    if values:
-      stability[key] = float(np.mean(values))
-  final = {}
-  for key in FINAL_KEYS:
-    values = [float(r[key]) for r in records if _finite(r.get(key))]
-    if values:
-      final[key] = values[-1]
+  logged = {key: [float(r[key]) for r in records if _finite(r.get(key))]
+            for key in STABILITY_KEYS + FINAL_KEYS}
+  stability = {key: float(np.mean(logged[key])) for key in STABILITY_KEYS
+               if logged[key]}
+  final = {key: logged[key][-1] for key in FINAL_KEYS if logged[key]}
   collapse = collapse_step([s for s, _, _ in rewards], reward_values)
   train_rows = [r for r in records if _finite(r.get('time/step_seconds'))]
   step_seconds = sum(r['time/step_seconds'] for r in train_rows)
@@ -403,6 +398,22 @@ def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     return {'difference': mean, 'se': se, 'p': math.nan}
   return {'difference': mean, 'se': se,
           'p': float(stats.ttest_rel(a, b).pvalue)}
+
+
+def p_text(p: float) -> str:
+  """A test's p for a table: two significant digits; '-' when there was no
+  test (NaN: too few runs or no spread)."""
+  return '-' if math.isnan(p) else f'{p:.2g}'
+
+
+def chosen_variants(parser, text: str, known) -> list[str]:
+  """The comma-separated variant names of a `--variants` flag; an unknown
+  one is a usage error (`parser.error`) that names the known ones."""
+  names = text.split(',')
+  unknown = sorted(set(names) - set(known))
+  if unknown:
+    parser.error(f'unknown variants {unknown}; known: {list(known)}')
+  return names
 
 
 def ok_runs(summaries: Sequence[Mapping[str, Any]],
