@@ -152,19 +152,32 @@ def test_servers_stream_text_logprobs_and_weight_updates(servers, policy,
   async def main():
     async with pool_for(addresses, tok) as pool:
       first = await asyncio.gather(*(pool.generate(p, 24) for p in prompts))
-      # Long requests, then a push of version 1 while they stream.
-      tasks = [asyncio.create_task(pool.generate(p, 400)) for p in prompts]
+      # Every slot streams long requests back to back until the push of
+      # version 1 has returned, so the swap lands inside some request however
+      # long loading the weights takes on a loaded machine (a single round of
+      # requests raced the push: all could finish before it, or start after).
+      pushed = asyncio.Event()
+
+      async def stream(prompt):
+        samples = []
+        while not pushed.is_set():
+          (sample,) = await pool.generate(prompt, 400)
+          samples.append((prompt, sample))
+        return samples
+
+      tasks = [asyncio.create_task(stream(p)) for p in prompts]
       await asyncio.sleep(0.3)
       push = await weight_sync.WeightPublisher(addresses, SECRET).push(
           str(weights_root / 'stream_v1'), 1)
-      second = await asyncio.gather(*tasks)
+      pushed.set()
+      second = [s for samples in await asyncio.gather(*tasks) for s in samples]
       statuses = [await weight_sync.server_status(a, SECRET) for a in addresses]
       return first, push, second, statuses, dict(pool.counters)
 
   first, push, second, statuses, counters = asyncio.run(main())
   assert not push.failed and sorted(push.updated) == sorted(addresses)
   assert all(s['version'] == 1 and s['swaps'] == 1 for s in statuses)
-  assert counters['completed'] == 16
+  assert counters['completed'] == len(prompts) + len(second)
   for prompt, (sample,) in zip(prompts, first):
     assert tok.decode(sample.tokens).strip()  # decodes to text
     assert set(sample.versions) == {0}
@@ -172,7 +185,7 @@ def test_servers_stream_text_logprobs_and_weight_updates(servers, policy,
                                recompute(model, prompt, sample.tokens),
                                atol=1e-4)
   mixed = 0
-  for prompt, (sample,) in zip(prompts, second):
+  for prompt, sample in second:
     versions = np.array(sample.versions)
     assert np.all(np.diff(versions) >= 0)  # 0...0 then 1...1, never back
     old = recompute(model, prompt, sample.tokens)
@@ -180,7 +193,7 @@ def test_servers_stream_text_logprobs_and_weight_updates(servers, policy,
     want = np.where(versions == 0, old, new)
     np.testing.assert_allclose(sample.logprobs, want, atol=1e-4)
     mixed += set(versions) == {0, 1}
-  assert mixed > 0, 'no trajectory spanned the weight update'
+  assert mixed > 0, f'none of {len(second)} trajectories spanned the update'
 
 
 @pytest.mark.slow
