@@ -38,8 +38,11 @@ Reported per (variant, sigma), mean ± standard error over seeds:
   * the share of the time finished episodes spent queued that they spent
     waiting for the rest of their group, and that wait per trajectory;
   * the learner's idle fraction (waiting for a batch).
-Each GRPO variant is compared with SAO by Welch's t-test on the seconds to
-target (runs that never reach it count as the run's full length).
+Each variant is compared with SAO by Welch's t-test on the seconds to
+target (runs that never reach it count as the run's full length). A second
+table tests, per sigma, each variant against SAO and each GRPO+DIS against
+the running mean (the same loss and schedule without groups) on the seconds
+from the first RL step and on the area under the held-out accuracy curve.
 
 The result file is rewritten after each run (`complete` false until the grid
 ends), so a long grid can be committed as it goes; `--resume` reuses the runs
@@ -148,6 +151,53 @@ def report(summaries, labels, sigmas, target):
             [rl_seconds_to_target(r, target) for r in sao])
       out[name] = row
   return out
+
+
+def pairs(labels) -> list[tuple[str, str]]:
+  """The comparisons of the second table: each variant against SAO, and
+  each GRPO+DIS against the running mean, its pair without groups (same
+  loss, one step, no critic)."""
+  out = [(label, 'sao') for label in labels if label != 'sao']
+  if 'running_mean' in labels:
+    out += [(label, 'running_mean') for label in labels
+            if VARIANTS[label][0] == 'grpo_dis']
+  return out
+
+
+def comparisons(summaries, labels, sigmas, target):
+  """Per sigma and pair (a, b): Welch's test of a - b on RL seconds to
+  target and on the area under the held-out accuracy curve."""
+  out = []
+  for sigma in sigmas:
+    for a, b in pairs(labels):
+      runs_a, runs_b = (training_runs.ok_runs(summaries, variant_name(x, sigma))
+                        for x in (a, b))
+      if not runs_a or not runs_b:
+        continue
+      out.append({
+          'sigma': sigma, 'a': a, 'b': b,
+          'rl_seconds_to_target': training_runs.welch(
+              [rl_seconds_to_target(r, target) for r in runs_a],
+              [rl_seconds_to_target(r, target) for r in runs_b]),
+          'area_under_accuracy': training_runs.welch(
+              [training_runs.area_under_accuracy(r['eval_curve'])
+               for r in runs_a],
+              [training_runs.area_under_accuracy(r['eval_curve'])
+               for r in runs_b])})
+  return out
+
+
+def comparisons_markdown(tests, target) -> str:
+  lines = [f'| sigma | a minus b | RL seconds to {target} (Welch p) |'
+           ' area under held-out accuracy (Welch p) |', '|---|---|---|---|']
+  for test in tests:
+    seconds, area = test['rl_seconds_to_target'], test['area_under_accuracy']
+    lines.append(
+        f'| {test["sigma"]:g} | {test["a"]} minus {test["b"]} |'
+        f' {seconds["difference"]:+.1f} s'
+        f' (p = {training_runs.p_text(seconds["p"])}) |'
+        f' {area["difference"]:+.3f} (p = {training_runs.p_text(area["p"])}) |')
+  return '\n'.join(lines)
 
 
 def markdown(rows, target) -> str:
@@ -261,6 +311,7 @@ def main():
 
   def publish(summaries, complete=False):
     rows = report(summaries, labels, sigmas, args.target)
+    tests = comparisons(summaries, labels, sigmas, args.target)
     plot(summaries, rows, labels, sigmas, args.plot,
          f'group waiting: lognormal tool latency (median {median} s), max'
          f' staleness {args.staleness}, B={BATCH_SIZE}, {seeds} seeds')
@@ -273,16 +324,19 @@ def main():
         'overrides': overrides, 'staleness': args.staleness,
         'target_accuracy': args.target,
         'variants': {label: VARIANTS[label] for label in labels},
-        'sigmas': sigmas, 'report': rows, 'runs': summaries})
-    return rows
+        'sigmas': sigmas, 'report': rows, 'comparisons': tests,
+        'runs': summaries})
+    return rows, tests
 
   summaries = training_runs.run_grid(
       specs, args.workdir + ('-quick' if args.quick else ''),
       batch_size=BATCH_SIZE,
       finished=training_runs.load_finished(args.out) if args.resume else None,
       on_run=publish)
-  rows = publish(summaries, complete=True)
+  rows, tests = publish(summaries, complete=True)
   print(markdown(rows, args.target))
+  print()
+  print(comparisons_markdown(tests, args.target))
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 

@@ -256,6 +256,9 @@ def test_group_waiting_benchmark_quick(tmp_path):
   row = result['report']['grpo_dis G=4 sigma=1']
   assert 'vs_sao_seconds_to_target' in row
   assert '| grpo_dis G=4 sigma=1 | 1 |' in stdout
+  (test,) = result['comparisons']  # no running mean in the quick mode
+  assert (test['a'], test['b']) == ('grpo_dis G=4', 'sao')
+  assert '| 1 | grpo_dis G=4 minus sao |' in stdout
 
 
 @pytest.mark.slow
