@@ -23,6 +23,9 @@ current when it finished):
   * area under the reward curve after the switch: the mean reward over the
     phase (steps from the switch to the next switch or the end), i.e. the
     area divided by the phase length, so phases of different lengths compare.
+
+The result file is rewritten after each run (`complete` false until the grid
+ends); `--resume` reuses the runs already in it.
 """
 
 from __future__ import annotations
@@ -79,38 +82,10 @@ def switch_report(curve, switches, total_steps, window):
   return report
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--seeds', type=int, default=5)
-  parser.add_argument('--switch-steps', default='40,80')
-  parser.add_argument('--total-steps', type=int, default=120)
-  parser.add_argument('--window', type=int, default=3)
-  parser.add_argument('--quick', action='store_true',
-                      help='sao and the per-question mean, one seed,'
-                      ' switches at steps 2 and 4 of 6 (CI)')
-  parser.add_argument('--workdir', default='runs/benchmarks/online')
-  parser.add_argument('--out', default='benchmarks/results/online.json')
-  parser.add_argument('--plot', default='benchmarks/results/online.png')
-  args = parser.parse_args()
-
-  switches = [int(s) for s in args.switch_steps.split(',')]
-  total, seeds, window = args.total_steps, args.seeds, args.window
-  variants = dict(VARIANTS)
-  if args.quick:
-    switches, total, seeds, window = [2, 4], 6, 1, 1
-    variants = {v: VARIANTS[v] for v in QUICK_VARIANTS}
-  overrides = {'total_steps': total, 'eval.every': 0, 'task.held_out': 16,
-               'task.word_target.switch_steps': tuple(switches),
-               'rollout.max_staleness': 2}
-  if args.quick:
-    overrides['critic.pretrain_steps'] = 2  # the machinery, not the result
-  specs = [training_runs.RunSpec(variant, seed, f'{CONFIG}:algorithm={name}',
-                                 dict(overrides, **extra))
-           for seed in range(seeds)
-           for variant, (name, extra) in variants.items()]
-  summaries = training_runs.run_grid(
-      specs, args.workdir + ('-quick' if args.quick else ''),
-      batch_size=BATCH_SIZE)
+def report(summaries, variants, switches, total, window):
+  """Per variant and switch: recoveries, the post-switch mean reward, and
+  each baseline against SAO by Welch's test on that mean. Adds each run's
+  `switches` (its `switch_report`)."""
   per_variant = {}
   for variant in variants:
     runs = training_runs.ok_runs(summaries, variant)
@@ -131,29 +106,22 @@ def main():
           'post_switch_mean_reward': auc[0],
           'post_switch_mean_reward_se': auc[1]})
     per_variant[variant] = per_switch
-  # Each baseline against SAO, per switch: Welch's test on the mean reward
-  # over the phase after the switch.
   sao_runs = training_runs.ok_runs(summaries, 'sao')
   for variant in variants:
-    if variant == 'sao':
-      continue
     runs = training_runs.ok_runs(summaries, variant)
+    if variant == 'sao' or not runs or not sao_runs:
+      continue
     for i, entry in enumerate(per_variant[variant]):
       entry['sao_minus_this'] = training_runs.welch(
           [r['switches'][i]['post_switch_mean_reward'] for r in sao_runs],
           [r['switches'][i]['post_switch_mean_reward'] for r in runs])
-  _plot(summaries, variants, switches, args.plot)
-  training_runs.write_result(args.out, {
-      'benchmark': 'online', 'quick': args.quick,
-      'command': ' '.join(['python', 'benchmarks/online.py'] + sys.argv[1:]),
-      'machine': training_runs.machine(), 'config': CONFIG,
-      'overrides': {k: list(v) if isinstance(v, tuple) else v
-                    for k, v in overrides.items()},
-      'variants': {v: name for v, (name, _) in variants.items()},
-      'per_switch': per_variant, 'runs': summaries})
-  print('| variant | switch step | recovered to 90% | median steps to recover'
-        ' | mean reward after switch | SAO minus this (Welch p) |')
-  print('|---|---|---|---|---|---|')
+  return per_variant
+
+
+def markdown(per_variant) -> str:
+  lines = ['| variant | switch step | recovered to 90% | median steps to'
+           ' recover | mean reward after switch | SAO minus this (Welch p) |',
+           '|---|---|---|---|---|---|']
   for variant, per_switch in per_variant.items():
     for s in per_switch:
       median = s['median_steps_to_recover_90']
@@ -161,10 +129,64 @@ def main():
       versus = '-' if test is None else f'{test["difference"]:+.3f}' + (
           '' if math.isnan(test['p'])
           else f' (p = {training_runs.p_text(test["p"])})')
-      print(f'| {variant} | {s["switch_step"]} | {s["recovered"]} |'
-            f' {"-" if median is None else f"{median:.0f}"} |'
-            f' {s["post_switch_mean_reward"]:.3f} ±'
-            f' {s["post_switch_mean_reward_se"]:.3f} | {versus} |')
+      lines.append(f'| {variant} | {s["switch_step"]} | {s["recovered"]} |'
+                   f' {"-" if median is None else f"{median:.0f}"} |'
+                   f' {s["post_switch_mean_reward"]:.3f} ±'
+                   f' {s["post_switch_mean_reward_se"]:.3f} | {versus} |')
+  return '\n'.join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--seeds', type=int, default=5)
+  parser.add_argument('--switch-steps', default='40,80')
+  parser.add_argument('--total-steps', type=int, default=120)
+  parser.add_argument('--window', type=int, default=3)
+  parser.add_argument('--quick', action='store_true',
+                      help='sao and the per-question mean, one seed,'
+                      ' switches at steps 2 and 4 of 6 (CI)')
+  parser.add_argument('--resume', action='store_true',
+                      help='reuse the runs already in --out (same command)')
+  parser.add_argument('--workdir', default='runs/benchmarks/online')
+  parser.add_argument('--out', default='benchmarks/results/online.json')
+  parser.add_argument('--plot', default='benchmarks/results/online.png')
+  args = parser.parse_args()
+
+  switches = [int(s) for s in args.switch_steps.split(',')]
+  total, seeds, window = args.total_steps, args.seeds, args.window
+  variants = dict(VARIANTS)
+  if args.quick:
+    switches, total, seeds, window = [2, 4], 6, 1, 1
+    variants = {v: VARIANTS[v] for v in QUICK_VARIANTS}
+  overrides = {'total_steps': total, 'eval.every': 0, 'task.held_out': 16,
+               'task.word_target.switch_steps': tuple(switches),
+               'rollout.max_staleness': 2}
+  if args.quick:
+    overrides['critic.pretrain_steps'] = 2  # the machinery, not the result
+  specs = [training_runs.RunSpec(variant, seed, f'{CONFIG}:algorithm={name}',
+                                 dict(overrides, **extra))
+           for seed in range(seeds)
+           for variant, (name, extra) in variants.items()]
+  def publish(summaries, complete=False):
+    per_variant = report(summaries, variants, switches, total, window)
+    _plot(summaries, variants, switches, args.plot)
+    training_runs.write_result(args.out, {
+        'benchmark': 'online', 'quick': args.quick, 'complete': complete,
+        'command': ' '.join(['python', 'benchmarks/online.py']
+                            + sys.argv[1:]),
+        'machine': training_runs.machine(), 'config': CONFIG,
+        'overrides': {k: list(v) if isinstance(v, tuple) else v
+                      for k, v in overrides.items()},
+        'variants': {v: name for v, (name, _) in variants.items()},
+        'per_switch': per_variant, 'runs': summaries})
+    return per_variant
+
+  summaries = training_runs.run_grid(
+      specs, args.workdir + ('-quick' if args.quick else ''),
+      batch_size=BATCH_SIZE,
+      finished=training_runs.load_finished(args.out) if args.resume else None,
+      on_run=publish)
+  print(markdown(publish(summaries, complete=True)))
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 

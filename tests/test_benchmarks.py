@@ -206,6 +206,7 @@ def test_ablations_benchmark_quick(tmp_path):
 def test_online_benchmark_quick(tmp_path):
   result, stdout = _quick('online.py', tmp_path)
   baseline = 'running_mean (per question, W=8)'
+  assert result['complete']
   assert set(result['per_switch']) == {'sao', baseline}
   for run in result['runs']:
     _check_run(run, 6)
