@@ -153,20 +153,23 @@ def test_servers_stream_text_logprobs_and_weight_updates(servers, policy,
     async with pool_for(addresses, tok) as pool:
       first = await asyncio.gather(*(pool.generate(p, 24) for p in prompts))
       # Every slot streams long requests back to back until the push of
-      # version 1 has returned, so the swap lands inside some request however
-      # long loading the weights takes on a loaded machine (a single round of
-      # requests raced the push: all could finish before it, or start after).
-      pushed = asyncio.Event()
+      # version 1 has returned, and the push starts only once one long
+      # request has come back, so the servers are demonstrably decoding: the
+      # swap then lands inside the requests in flight however slow the
+      # machine. (A fixed head start raced the push: on a loaded CI machine
+      # every request was still waiting for its prefill when the swap came.)
+      pushed, decoding = asyncio.Event(), asyncio.Event()
 
       async def stream(prompt):
         samples = []
         while not pushed.is_set():
           (sample,) = await pool.generate(prompt, 400)
           samples.append((prompt, sample))
+          decoding.set()
         return samples
 
       tasks = [asyncio.create_task(stream(p)) for p in prompts]
-      await asyncio.sleep(0.3)
+      await decoding.wait()
       push = await weight_sync.WeightPublisher(addresses, SECRET).push(
           str(weights_root / 'stream_v1'), 1)
       pushed.set()
