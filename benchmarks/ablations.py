@@ -1,6 +1,6 @@
 r"""SAO ablations (SAO.md §3): K, frozen critic, value pretraining, skip-obs GAE.
 
-  python benchmarks/ablations.py            # 3 seeds per variant
+  python benchmarks/ablations.py            # 6 variants x 5 seeds
   python benchmarks/ablations.py --quick    # CI: two variants, one seed
 
 Each variant changes one thing of SAO (configs/tiny.py, algorithm=sao):
@@ -10,6 +10,13 @@ Each variant changes one thing of SAO (configs/tiny.py, algorithm=sao):
 and, on three-turn `word_target` episodes (observations of six words between
 the replies), skip-observation GAE (SAO) against naive GAE whose recursion
 also runs through the observation tokens (`advantage.skip_observations`).
+
+Each ablation is compared with its reference (SAO, or skip-observation GAE
+for naive GAE) seed by seed: runs of one seed share the task, the held-out
+prompts and the initial weights, so a paired t-test on the area under the
+held-out accuracy curve and on the final accuracy tests the one change. The
+result file is rewritten after each run (`complete` false until the grid
+ends); `--resume` reuses the runs already in it.
 """
 
 from __future__ import annotations
@@ -35,19 +42,68 @@ VARIANTS = {
     '3 turns: naive GAE': dict(_MULTI_TURN,
                                **{'advantage.skip_observations': False}),
 }
+#: ablation -> the variant it changes one thing of
+REFERENCES = {'K=1': 'sao', 'full critic': 'sao',
+              'no value pretraining': 'sao',
+              '3 turns: naive GAE': '3 turns: skip-observation GAE'}
 COLUMNS = (('critic expl. var.', 'critic/explained_variance'),
            ('critic grad norm', 'critic/grad_norm'),
            ('actor grad norm', 'policy/grad_norm'))
 
 
+#: metric of a run the ablations are tested on -> how to read it
+_METRICS = {
+    'area_under_accuracy':
+        lambda run: training_runs.area_under_accuracy(run['eval_curve']),
+    'final_accuracy': lambda run: run['final_accuracy'],
+}
+
+
+def comparisons(summaries, variants):
+  """Per ablation whose reference ran: paired t-tests (by seed) of ablation
+  minus reference on the area under held-out accuracy and the final
+  accuracy."""
+  out = []
+  for variant in variants:
+    reference = REFERENCES.get(variant)
+    if reference not in variants:
+      continue
+    by_seed = [{r['seed']: r for r in training_runs.ok_runs(summaries, v)}
+               for v in (variant, reference)]
+    seeds = sorted(set(by_seed[0]) & set(by_seed[1]))
+    if not seeds:
+      continue
+    out.append(dict(
+        {'ablation': variant, 'reference': reference, 'seeds': seeds},
+        **{metric: training_runs.paired([value(by_seed[0][s]) for s in seeds],
+                                        [value(by_seed[1][s]) for s in seeds])
+           for metric, value in _METRICS.items()}))
+  return out
+
+
+def comparisons_markdown(tests) -> str:
+  lines = ['| ablation minus reference | seeds | area under held-out accuracy'
+           ' (paired p) | final held-out accuracy (paired p) |',
+           '|---|---|---|---|']
+  for test in tests:
+    cells = [f'{t["difference"]:+.3f} ± {t["se"]:.3f}'
+             f' (p = {training_runs.p_text(t["p"])})'
+             for t in (test['area_under_accuracy'], test['final_accuracy'])]
+    lines.append(f'| {test["ablation"]} minus {test["reference"]} |'
+                 f' {len(test["seeds"])} | {cells[0]} | {cells[1]} |')
+  return '\n'.join(lines)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--seeds', type=int, default=3)
+  parser.add_argument('--seeds', type=int, default=5)
   parser.add_argument('--variants', default=','.join(VARIANTS),
                       help='comma-separated names from VARIANTS (the names'
                       ' hold no comma)')
   parser.add_argument('--quick', action='store_true',
                       help='K=1 and naive GAE, one seed, 3 steps (CI)')
+  parser.add_argument('--resume', action='store_true',
+                      help='reuse the runs already in --out (same command)')
   parser.add_argument('--workdir', default='runs/benchmarks/ablations')
   parser.add_argument('--out', default='benchmarks/results/ablations.json')
   parser.add_argument('--plot', default='benchmarks/results/ablations.png')
@@ -66,21 +122,30 @@ def main():
   specs = [training_runs.RunSpec(v, seed, f'{config}:algorithm=sao',
                                  dict(overrides, **VARIANTS[v]))
            for seed in range(seeds) for v in variants]
+  def publish(summaries, complete=False):
+    aggregated = training_runs.aggregate(summaries, variants)
+    tests = comparisons(summaries, variants)
+    training_runs.plot_accuracy(summaries, variants, args.plot,
+                                f'SAO ablations (tiny, B={batch_size})',
+                                axes=('trajectories',))
+    training_runs.write_result(args.out, {
+        'benchmark': 'ablations', 'quick': args.quick, 'complete': complete,
+        'command': ' '.join(['python', 'benchmarks/ablations.py']
+                            + sys.argv[1:]),
+        'machine': training_runs.machine(), 'config': config,
+        'overrides': overrides, 'variants': {v: VARIANTS[v] for v in variants},
+        'aggregate': aggregated, 'comparisons': tests, 'runs': summaries})
+    return aggregated, tests
+
   summaries = training_runs.run_grid(
       specs, args.workdir + ('-quick' if args.quick else ''),
-      batch_size=batch_size)
-  aggregated = training_runs.aggregate(summaries, variants)
-  training_runs.plot_accuracy(summaries, variants, args.plot,
-                              f'SAO ablations (tiny, B={batch_size})',
-                              axes=('trajectories',))
-  training_runs.write_result(args.out, {
-      'benchmark': 'ablations', 'quick': args.quick,
-      'command': ' '.join(['python', 'benchmarks/ablations.py']
-                          + sys.argv[1:]),
-      'machine': training_runs.machine(), 'config': config,
-      'overrides': overrides, 'variants': {v: VARIANTS[v] for v in variants},
-      'aggregate': aggregated, 'runs': summaries})
+      batch_size=batch_size,
+      finished=training_runs.load_finished(args.out) if args.resume else None,
+      on_run=publish)
+  aggregated, tests = publish(summaries, complete=True)
   print(training_runs.markdown_table(aggregated, COLUMNS))
+  print()
+  print(comparisons_markdown(tests))
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 

@@ -1,6 +1,7 @@
 """The evidence benchmarks' reductions, on hand-worked curves."""
 
 import json
+import math
 import os
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), 'benchmarks'))
+import ablations  # pylint: disable=g-import-not-at-top,wrong-import-position
 import online  # pylint: disable=g-import-not-at-top,wrong-import-position
 import training_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -79,6 +81,40 @@ def test_welch_and_paired_tests_match_hand_worked_values():
   assert training_runs.welch([1.0], [2.0, 3.0])['p'] != training_runs.welch(
       [1.0], [2.0, 3.0])['p']  # NaN
   assert training_runs.paired([1, 1], [0, 0])['difference'] == 1.0
+
+
+def test_ablations_pair_each_ablation_with_its_reference_by_seed():
+  def run(variant, seed, curve, final):
+    return {'variant': variant, 'seed': seed, 'final_accuracy': final,
+            'eval_curve': [{'step': 0, 'accuracy': 0.0}]
+                          + [{'step': i + 1, 'accuracy': a}
+                             for i, a in enumerate(curve)]}
+  summaries = [
+      run('sao', 0, [0.5, 0.7], 0.7), run('sao', 1, [0.6, 0.8], 0.8),
+      run('sao', 2, [0.4, 0.6], 0.6),
+      # seed 2 of K=1 failed: only seeds 0 and 1 pair up.
+      run('K=1', 0, [0.3, 0.7], 0.7), run('K=1', 1, [0.2, 0.6], 0.6),
+      {'variant': 'K=1', 'seed': 2, 'failed': 'exit 1'},
+      run('full critic', 0, [0.5, 0.9], 0.9)]
+  tests = {t['ablation']: t for t in ablations.comparisons(
+      summaries, ['sao', 'K=1', 'full critic', '3 turns: naive GAE'])}
+  # naive GAE's reference (skip-observation GAE) did not run: no test.
+  assert set(tests) == {'K=1', 'full critic'}
+  k1 = tests['K=1']
+  assert (k1['reference'], k1['seeds']) == ('sao', [0, 1])
+  # Areas (mean over the evaluations after step 0): K=1 0.5, 0.4 against
+  # SAO 0.6, 0.7, differences -0.1 and -0.3: mean -0.2, se 0.1, t = -2 on
+  # 1 degree of freedom, two-sided p = 1 - 2 atan(2) / pi.
+  area = k1['area_under_accuracy']
+  assert area['difference'] == pytest.approx(-0.2)
+  assert area['se'] == pytest.approx(0.1)
+  assert area['p'] == pytest.approx(1 - 2 * math.atan(2) / math.pi)
+  assert k1['final_accuracy']['difference'] == pytest.approx(-0.1)
+  # One seed: a difference, no test.
+  single = tests['full critic']['final_accuracy']
+  assert single['difference'] == pytest.approx(0.2) and math.isnan(single['p'])
+  assert '| K=1 minus sao | 2 | -0.200 ± 0.100 (p = 0.3) |' in (
+      ablations.comparisons_markdown(tests.values()))
 
 
 def test_collapse_below_half_peak_needs_five_steps_under_half_the_peak():

@@ -195,6 +195,7 @@ def test_staleness_benchmark_quick(tmp_path):
 def test_ablations_benchmark_quick(tmp_path):
   result, _ = _quick('ablations.py', tmp_path)
   runs = {r['variant']: r for r in result['runs']}
+  assert result['complete'] and result['comparisons'] == []  # no reference
   assert set(runs) == {'K=1', '3 turns: naive GAE'}
   for run in runs.values():
     _check_run(run, 3)
