@@ -84,6 +84,65 @@ def collapse(run) -> int | None:
   return None
 
 
+def _areas(summaries, variant):
+  return [training_runs.area_under_accuracy(r['eval_curve'])
+          for r in training_runs.ok_runs(summaries, variant)]
+
+
+def comparisons(summaries, labels, bounds):
+  """Welch's tests on the area under held-out accuracy: what each bound
+  costs a variant (its area at the bound minus at the lowest bound), and
+  SAO minus each other variant at every bound."""
+  lag, versus = [], []
+  for label in labels:
+    base = _areas(summaries, variant_name(label, bounds[0]))
+    for bound in bounds[1:]:
+      areas = _areas(summaries, variant_name(label, bound))
+      if areas and base:
+        lag.append({'variant': label, 'bound': bound, 'against': bounds[0],
+                    'area': training_runs.welch(areas, base)})
+  if 'sao' in labels:
+    for bound in bounds:
+      sao = _areas(summaries, variant_name('sao', bound))
+      for label in labels:
+        other = _areas(summaries, variant_name(label, bound))
+        if label != 'sao' and sao and other:
+          versus.append({'variant': label, 'bound': bound,
+                         'sao_minus_this': training_runs.welch(sao, other)})
+  return {'bound_minus_lowest': lag, 'sao_minus_variant': versus}
+
+
+def comparisons_markdown(tests) -> str:
+  """Two tables: the cost of each bound per variant, and SAO against each
+  variant per bound (area differences, Welch p in brackets)."""
+  def cell(test):
+    return (f'{test["difference"]:+.3f}'
+            f' (p = {training_runs.p_text(test["p"])})')
+  lag = tests['bound_minus_lowest']
+  bounds = sorted({t['bound'] for t in lag})
+  labels = list(dict.fromkeys(t['variant'] for t in lag))
+  lines = ['| variant | ' + ' | '.join(
+      f'area at bound {b} minus at {lag[0]["against"]}' for b in bounds)
+           + ' |', '|---|' + '---|' * len(bounds)]
+  for label in labels:
+    by_bound = {t['bound']: t['area'] for t in lag if t['variant'] == label}
+    lines.append(f'| {label} | ' + ' | '.join(
+        cell(by_bound[b]) if b in by_bound else '-' for b in bounds) + ' |')
+  versus = tests['sao_minus_variant']
+  if versus:
+    bounds = sorted({t['bound'] for t in versus})
+    labels = list(dict.fromkeys(t['variant'] for t in versus))
+    lines += ['', '| SAO minus | ' + ' | '.join(
+        f'area at bound {b}' for b in bounds) + ' |',
+              '|---|' + '---|' * len(bounds)]
+    for label in labels:
+      by_bound = {t['bound']: t['sao_minus_this'] for t in versus
+                  if t['variant'] == label}
+      lines.append(f'| {label} | ' + ' | '.join(
+          cell(by_bound[b]) if b in by_bound else '-' for b in bounds) + ' |')
+  return '\n'.join(lines)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--recipe', choices=sorted(algorithms.RECIPES),
@@ -146,6 +205,7 @@ def main():
                                      for r in runs)
       row['collapse_rule_steps'] = [r['collapse_rule_step'] for r in runs
                                     if r['collapse_rule_step'] is not None]
+    tests = comparisons(summaries, labels, bounds)
     _plot(aggregated, labels, bounds, args.plot, title)
     training_runs.write_result(args.out, {
         'benchmark': 'staleness', 'recipe': args.recipe, 'quick': args.quick,
@@ -157,8 +217,8 @@ def main():
         'variants': {label: VARIANTS[label] for label in labels},
         'collapse_rule': 'training reward below half its peak (3-step mean)'
                          ' for 5 consecutive steps, or a non-finite skip',
-        'aggregate': aggregated, 'runs': summaries})
-    return aggregated
+        'aggregate': aggregated, 'comparisons': tests, 'runs': summaries})
+    return aggregated, tests
 
   summaries = training_runs.run_grid(
       specs, os.path.join(args.workdir, args.recipe + ('-quick' if args.quick
@@ -166,8 +226,10 @@ def main():
       batch_size=batch_size,
       finished=training_runs.load_finished(args.out) if args.resume else None,
       on_run=publish)
-  aggregated = publish(summaries, complete=True)
+  aggregated, tests = publish(summaries, complete=True)
   print(markdown(aggregated))
+  print()
+  print(comparisons_markdown(tests))
   print(f'plot: {args.plot}\nresult: {args.out}')
 
 

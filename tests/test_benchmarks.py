@@ -189,6 +189,16 @@ def test_staleness_benchmark_quick(tmp_path):
     assert 'collapse_rule_step' in run
   assert '| collapsed (rule) |' in stdout
   assert '| sao staleness=4 | 1/1 |' in stdout
+  # What bound 4 cost SAO against bound 0: one seed each, a difference and
+  # no test; no other variant ran to compare SAO with.
+  (lag,) = result['comparisons']['bound_minus_lowest']
+  assert (lag['variant'], lag['bound'], lag['against']) == ('sao', 4, 0)
+  areas = [sum(p['accuracy'] for p in r['eval_curve'] if p['step'] > 0)
+           / sum(p['step'] > 0 for p in r['eval_curve'])
+           for r in (runs['sao staleness=4'], runs['sao staleness=0'])]
+  assert lag['area']['difference'] == pytest.approx(areas[0] - areas[1])
+  assert result['comparisons']['sao_minus_variant'] == []
+  assert '| sao | ' in stdout and '(p = -)' in stdout
 
 
 @pytest.mark.slow
