@@ -112,34 +112,33 @@ def comparisons(summaries, labels, bounds):
   return {'bound_minus_lowest': lag, 'sao_minus_variant': versus}
 
 
+def _by_bound_table(tests, corner, column, key) -> list[str]:
+  """A markdown table of `tests[i][key]`: a row per variant, a column per
+  bound, each cell the area difference and its Welch p."""
+  bounds = sorted({t['bound'] for t in tests})
+  lines = [f'| {corner} | ' + ' | '.join(column(b) for b in bounds) + ' |',
+           '|---|' + '---|' * len(bounds)]
+  for label in dict.fromkeys(t['variant'] for t in tests):
+    cells = {t['bound']: t[key] for t in tests if t['variant'] == label}
+    lines.append(f'| {label} | ' + ' | '.join(
+        f'{cells[b]["difference"]:+.3f}'
+        f' (p = {training_runs.p_text(cells[b]["p"])})' if b in cells else '-'
+        for b in bounds) + ' |')
+  return lines
+
+
 def comparisons_markdown(tests) -> str:
   """Two tables: the cost of each bound per variant, and SAO against each
   variant per bound (area differences, Welch p in brackets)."""
-  def cell(test):
-    return (f'{test["difference"]:+.3f}'
-            f' (p = {training_runs.p_text(test["p"])})')
-  lag = tests['bound_minus_lowest']
-  bounds = sorted({t['bound'] for t in lag})
-  labels = list(dict.fromkeys(t['variant'] for t in lag))
-  lines = ['| variant | ' + ' | '.join(
-      f'area at bound {b} minus at {lag[0]["against"]}' for b in bounds)
-           + ' |', '|---|' + '---|' * len(bounds)]
-  for label in labels:
-    by_bound = {t['bound']: t['area'] for t in lag if t['variant'] == label}
-    lines.append(f'| {label} | ' + ' | '.join(
-        cell(by_bound[b]) if b in by_bound else '-' for b in bounds) + ' |')
-  versus = tests['sao_minus_variant']
+  lag, versus = tests['bound_minus_lowest'], tests['sao_minus_variant']
+  lines = []
+  if lag:
+    lines += _by_bound_table(
+        lag, 'variant',
+        lambda b: f'area at bound {b} minus at {lag[0]["against"]}', 'area')
   if versus:
-    bounds = sorted({t['bound'] for t in versus})
-    labels = list(dict.fromkeys(t['variant'] for t in versus))
-    lines += ['', '| SAO minus | ' + ' | '.join(
-        f'area at bound {b}' for b in bounds) + ' |',
-              '|---|' + '---|' * len(bounds)]
-    for label in labels:
-      by_bound = {t['bound']: t['sao_minus_this'] for t in versus
-                  if t['variant'] == label}
-      lines.append(f'| {label} | ' + ' | '.join(
-          cell(by_bound[b]) if b in by_bound else '-' for b in bounds) + ' |')
+    lines += [''] * bool(lines) + _by_bound_table(
+        versus, 'SAO minus', lambda b: f'area at bound {b}', 'sao_minus_this')
   return '\n'.join(lines)
 
 
