@@ -4,11 +4,15 @@ import glob
 import json
 import math
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sao_jax.logs import event_file
 from sao_jax.logs import metrics_log
 
 def strict_lines(path):
@@ -220,3 +224,56 @@ def test_tensorboard_event_files_hold_the_values(tmp_path):
   assert (step, plugin) == (2, 'histograms')
   np.testing.assert_array_equal(
       buckets, [[-0.5, 0.5, 1], [0.5, 1.5, 2], [1.5, 2.5, 1]])
+
+
+def test_event_file_is_read_by_tensorflow_as_tensorboard_writes_it(tmp_path):
+  """TensorFlow (an independent reader) parses every record, checksums
+  included, and finds the values, dtypes and plugin metadata TensorBoard's
+  own v2 summaries carry."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  writer = event_file.EventFileWriter(str(tmp_path))
+  writer.scalars(2**40, [('a', 0.5), ('nan', math.nan)])
+  writer.scalars(-1, [('a', -3.0)])
+  writer.histogram(7, 'h', np.array([[0.0, 1.0, 4.0]]))
+  writer.close()
+  events = [tf.compat.v1.Event.FromString(raw.numpy())
+            for raw in tf.data.TFRecordDataset(writer.path)]
+  assert events[0].file_version == 'brain.Event:2'
+  assert events[0].wall_time > 1.7e9
+  assert [e.step for e in events[1:]] == [2**40, -1, 7]
+  a, nan = events[1].summary.value
+  assert (a.tag, float(tf.make_ndarray(a.tensor))) == ('a', 0.5)
+  assert a.tensor.dtype == tf.float32.as_datatype_enum
+  assert a.metadata.plugin_data.plugin_name == 'scalars'
+  assert a.metadata.data_class == 1  # DATA_CLASS_SCALAR
+  assert math.isnan(tf.make_ndarray(nan.tensor))
+  (h,) = events[3].summary.value
+  assert h.metadata.plugin_data.plugin_name == 'histograms'
+  assert h.metadata.data_class == 2  # DATA_CLASS_TENSOR
+  assert h.tensor.dtype == tf.float64.as_datatype_enum
+  np.testing.assert_array_equal(tf.make_ndarray(h.tensor), [[0, 1, 4]])
+
+
+def test_crc32c_and_its_mask_match_the_published_values():
+  # The CRC-32C check value (RFC 3720, B.4); the masked form by hand:
+  # 0xe3069283 rotated right by 15 is 0x2507c60d, plus 0xa282ead8.
+  assert event_file.crc32c(b'123456789') == 0xe3069283
+  assert event_file.masked_crc32c(b'123456789') == (
+      0x2507c60d + 0xa282ead8) & 0xffffffff
+  assert event_file.crc32c(bytes(32)) == 0x8a9136aa  # RFC 3720, B.4
+
+
+def test_logging_imports_no_tensorflow(tmp_path):
+  script = textwrap.dedent(f"""
+      import sys
+      from sao_jax.logs import metrics_log
+      with metrics_log.MetricsLogger({str(tmp_path)!r}) as logger:
+        logger.write(1, {{'a': 1.0}})
+        logger.write_histogram(1, 'h', [1, 2])
+      assert 'tensorflow' not in sys.modules, 'tensorflow was imported'
+  """)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo)
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True,
+                          text=True, timeout=120, check=False, env=env)
+  assert result.returncode == 0, result.stderr[-2000:]

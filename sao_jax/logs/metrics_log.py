@@ -40,6 +40,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from sao_jax.logs import event_file
+
 JSONL_NAME = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
 
@@ -74,11 +76,10 @@ class MetricsLogger:
     Args:
       workdir: the run's directory. The JSONL file is `workdir/metrics.jsonl`
         (appended to if it exists), event files go to `workdir/tensorboard/`.
-      tensorboard: write TensorBoard event files. Imports TensorFlow (a few
-        seconds, several hundred MB of host memory), hence optional.
+      tensorboard: write TensorBoard event files (`event_file`, no
+        TensorFlow).
       jsonl: write `metrics.jsonl`.
-      is_chief: whether this process writes. Non-chief loggers touch no file
-        and import nothing.
+      is_chief: whether this process writes. Non-chief loggers touch no file.
     """
     self.workdir = os.fspath(workdir)
     self.jsonl_path = os.path.join(self.workdir, JSONL_NAME)
@@ -89,7 +90,6 @@ class MetricsLogger:
     self._start = time.monotonic()
     self._file = None
     self._resumed = False
-    self._tf = None
     self._tb_writer = None
     if not is_chief:
       return
@@ -99,7 +99,7 @@ class MetricsLogger:
                        and os.path.getsize(self.jsonl_path) > 0)
       self._file = _open_for_append(self.jsonl_path)
     if tensorboard:
-      self._tf, self._tb_writer = _tensorboard_writer(self.tensorboard_dir)
+      self._tb_writer = event_file.EventFileWriter(self.tensorboard_dir)
 
   def write(self, step: int, metrics: Mapping[str, Any], *,
             prefix: str = '') -> None:
@@ -226,23 +226,14 @@ class MetricsLogger:
 
   def _write_tb_scalars(self, step: int, names: Sequence[str],
                         values: Sequence[float | int | bool]) -> None:
-    tf = self._tf
-    with self._tb_writer.as_default():
-      for name, value in zip(names, values):
-        # Non-finite values go to TensorBoard as they are: it plots them as
-        # markers, which is what one wants to see.
-        tf.summary.write(name, tf.constant(float(value), tf.float32), step=step,
-                         metadata=_SCALAR_METADATA.get())
-    self._tb_writer.flush()
+    # Non-finite values go to TensorBoard as they are: it plots them as
+    # markers, which is what one wants to see.
+    self._tb_writer.scalars(step, zip(names, (float(v) for v in values)))
 
   def _write_tb_histogram(self, step: int, name: str,
                           finite: np.ndarray) -> None:
-    tf = self._tf
-    buckets = tensorboard_histogram_buckets(finite)
-    with self._tb_writer.as_default():
-      tf.summary.write(name, tf.constant(buckets, tf.float64), step=step,
-                       metadata=_HISTOGRAM_METADATA.get())
-    self._tb_writer.flush()
+    self._tb_writer.histogram(step, name,
+                              tensorboard_histogram_buckets(finite))
 
 
 def read_jsonl(path: str | os.PathLike[str], *,
@@ -332,7 +323,7 @@ def tensorboard_histogram_buckets(values: np.ndarray) -> np.ndarray:
 
   This is the tensor the `histograms` plugin reads (what
   `tensorboard.summary.histogram` would write), built here so that writing
-  needs only TensorFlow's core summary op, not the `tensorboard` package.
+  needs no `tensorboard` package.
   Integer-valued inputs with a small range get one bucket per integer, so a
   staleness histogram reads 0, 1, 2 rather than 30 slivers.
   """
@@ -422,52 +413,6 @@ def _open_for_append(path: str):
     f.write('\n')
     f.flush()
   return f
-
-
-def _tensorboard_writer(logdir: str):
-  """Imports TensorFlow (lazily: seconds, hundreds of MB) and opens a writer."""
-  # TensorFlow's C++ start-up chatter (oneDNN notices, a failed cuInit on a
-  # machine without GPUs) is noise in a training run's console: JAX owns the
-  # devices and TF only writes summaries; its Python errors still raise.
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  try:
-    # Keep TF off the accelerators: JAX owns them, and TF's default is to
-    # reserve nearly all memory of every GPU it sees. Only summaries run in
-    # TF, on the CPU.
-    tf.config.set_visible_devices([], 'GPU')
-  except RuntimeError:
-    # TF's devices were already initialised by someone else in this process;
-    # too late to hide them, and that someone chose the placement.
-    pass
-  return tf, tf.summary.create_file_writer(logdir)
-
-
-class _LazyMetadata:
-  """A TensorBoard plugin's `SummaryMetadata`, built on first use.
-
-  Built lazily because its proto module comes with TensorFlow, which is only
-  imported when a logger writes TensorBoard files.
-  """
-
-  def __init__(self, plugin_name: str):
-    self._plugin_name = plugin_name
-    self._metadata = None
-
-  def get(self):
-    if self._metadata is None:
-      # pylint: disable-next=g-import-not-at-top
-      from tensorflow.core.framework import summary_pb2
-      # Empty plugin content is version 0 of the plugin's data format, what
-      # TensorBoard's own `scalar`/`histogram` summaries write.
-      self._metadata = summary_pb2.SummaryMetadata(
-          plugin_data=summary_pb2.SummaryMetadata.PluginData(
-              plugin_name=self._plugin_name))
-    return self._metadata
-
-
-_SCALAR_METADATA = _LazyMetadata('scalars')
-_HISTOGRAM_METADATA = _LazyMetadata('histograms')
 
 
 def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
