@@ -30,9 +30,9 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m sao_jax.train --config=configs/default.py --workdir=$(WORKDIR)
 
 # Two pytest workers (pytest-xdist), slow tests first, work stealing at the
-# end, one XLA compilation cache for the session (tests/conftest.py): 774
-# tests in 15.5 min on this 2-core VM from a cold cache (2026-12-02; 23.2 min
-# the same day without the cache; CI's run of that took 39.6 min).
+# end, one XLA compilation cache for the session (tests/conftest.py): 799
+# tests in 12.4 min on this 2-core VM from a cold cache (2026-12-02); 803 in
+# 25.6 min cold and 12.9 min warm on a slower day (2026-12-03, README).
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
