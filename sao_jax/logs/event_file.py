@@ -103,6 +103,10 @@ def _varint_field(field: int, value: int) -> bytes:
   return _key(field, _VARINT) + _varint(value)
 
 
+def _double_field(field: int, value: float) -> bytes:
+  return _key(field, _FIXED64) + struct.pack('<d', value)
+
+
 def tensor_proto(array: np.ndarray) -> bytes:
   """A `TensorProto` of a float32 or float64 array, contents as raw bytes."""
   array = np.asarray(array)
@@ -135,7 +139,7 @@ def summary_event(step: int, wall_time: float,
              + _bytes_field(_VALUE_TENSOR, tensor_proto(array))
              + _bytes_field(_VALUE_METADATA, metadata))
     summary += _bytes_field(_SUMMARY_VALUE, value)
-  return (_key(_EVENT_WALL_TIME, _FIXED64) + struct.pack('<d', wall_time)
+  return (_double_field(_EVENT_WALL_TIME, wall_time)
           + _varint_field(_EVENT_STEP, step)
           + _bytes_field(_EVENT_SUMMARY, summary))
 
@@ -159,7 +163,7 @@ class EventFileWriter:
     # TensorBoard expects, and a killed process leaves whole records behind.
     self._file = open(self.path, 'ab', buffering=0)  # pylint: disable=consider-using-with
     self._file.write(tfrecord(
-        _key(_EVENT_WALL_TIME, _FIXED64) + struct.pack('<d', now)
+        _double_field(_EVENT_WALL_TIME, now)
         + _bytes_field(_EVENT_FILE_VERSION, _FILE_VERSION)))
 
   def scalars(self, step: int, named_values) -> None:
