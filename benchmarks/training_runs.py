@@ -44,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from sao_jax import xla_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.logs import metrics_log  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.logs import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -124,11 +125,10 @@ def compile_cache_dir(root: str) -> str:
 def run_environment(root: str) -> dict[str, str]:
   """The environment of a run: the repo importable, the shared compile cache.
   """
-  env = dict(os.environ)
-  # A run measures this machine as a user runs it: not the fake CPU devices
-  # (and their XLA flags) of a parent test session, under which a batch may
-  # not split over the devices the way the recipe was sized for.
-  env.pop('XLA_FLAGS', None)
+  # A run measures this machine as a user runs it: not on the fake CPU
+  # devices of a parent test session, under which a batch may not split over
+  # the devices the way the recipe was sized for.
+  env = xla_flags.child_environment(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
       p for p in (ROOT, env.get('PYTHONPATH', '')) if p)
   env.setdefault('JAX_COMPILATION_CACHE_DIR', compile_cache_dir(root))

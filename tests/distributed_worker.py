@@ -16,10 +16,12 @@ process_id, num_processes, port, out = (int(sys.argv[1]), int(sys.argv[2]),
                                         int(sys.argv[3]), sys.argv[4])
 devices_per_process = 4 // num_processes
 # The scheduler flag: see tests/conftest.py (concurrent collectives deadlock
-# XLA:CPU's blocking rendezvous).
-os.environ['XLA_FLAGS'] = (
-    f'--xla_force_host_platform_device_count={devices_per_process}'
-    ' --xla_cpu_enable_concurrency_optimized_scheduler=false')
+# XLA:CPU's blocking rendezvous). The parent's other flags (conftest's compile
+# options) come first; it removed its own device count.
+os.environ['XLA_FLAGS'] = ' '.join([
+    os.environ.get('XLA_FLAGS', ''),
+    f'--xla_force_host_platform_device_count={devices_per_process}',
+    '--xla_cpu_enable_concurrency_optimized_scheduler=false']).strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position

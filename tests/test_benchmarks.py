@@ -8,17 +8,19 @@ import sys
 
 import pytest
 
+from sao_jax import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script(*argv, timeout=600):
   """Runs a repository script on the CPU; returns the finished process.
 
-  Without the suite's XLA_FLAGS: the script sees one CPU device, as a user's
-  run does, not conftest's eight fake ones.
+  The script sees one CPU device, as a user's run does, not conftest's eight
+  fake ones (its other XLA flags pass through).
   """
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
-  env.pop('XLA_FLAGS', None)
+  env = xla_flags.child_environment(
+      dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
   return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True,
                         text=True, timeout=timeout, env=env)
 

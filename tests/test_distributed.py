@@ -9,6 +9,8 @@ import sys
 import chex
 import pytest
 
+from sao_jax import xla_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -21,8 +23,7 @@ def free_port():
 
 def run_processes(num_processes, out):
   port = free_port()
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  env.pop('XLA_FLAGS', None)
+  env = xla_flags.child_environment(dict(os.environ, PYTHONPATH=ROOT))
   procs = [subprocess.Popen(
       [sys.executable, os.path.join(HERE, 'distributed_worker.py'), str(i),
        str(num_processes), str(port), str(out)],

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from sao_jax import quiet_start
+from sao_jax import xla_flags
 from sao_jax.rollout import weight_sync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,9 +26,9 @@ NOISE = ('TPU_WORKER_HOSTNAMES', 'cuInit', 'cudart_stub',
 
 def run(module, *args, quiet_env=True, **env):
   """Runs `python -m module args`; `quiet_env`: as our tests (CPU chosen)."""
-  full_env = dict(os.environ, PYTHONPATH=ROOT, **env)
+  full_env = xla_flags.child_environment(dict(os.environ, PYTHONPATH=ROOT,
+                                              **env))
   full_env.pop(weight_sync.SECRET_ENV, None)
-  full_env.pop('XLA_FLAGS', None)
   if quiet_env:
     full_env['JAX_PLATFORMS'] = 'cpu'
   else:  # as a user's shell: nothing chosen

@@ -17,14 +17,16 @@ import time
 
 import pytest
 
+from sao_jax import xla_flags
 from sao_jax.logs import metrics_log
 from sao_jax.rollout import launch
 
 import processes  # tests/processes.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
-ENV.pop('XLA_FLAGS', None)  # the trainer runs on one CPU device
+# The trainer runs on one CPU device.
+ENV = xla_flags.child_environment(
+    dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
 
 # Short runs: no evaluation or value pretraining (they are not what is
 # tested), a checkpoint every 4 steps, fast supervision.

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from sao_jax import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, 'notebooks')
 NAMES = ('quickstart', 'sao_vs_grpo')
@@ -101,7 +103,7 @@ def run_notebook_script(name, workdir, timeout=300):
              SAO_NOTEBOOK_TINY='1', SAO_NOTEBOOK_WORKDIR=str(workdir),
              MPLBACKEND='Agg')
   # The test session's eight fake CPU devices are not what a notebook sees.
-  env.pop('XLA_FLAGS', None)
+  env = xla_flags.child_environment(env)
   start = time.monotonic()
   proc = subprocess.run(
       [sys.executable, os.path.join(NOTEBOOKS, f'{name}.py')], cwd=ROOT,

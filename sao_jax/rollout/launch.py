@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from sao_jax import xla_flags
 from sao_jax.rollout import weight_sync
 
 if TYPE_CHECKING:
@@ -117,10 +118,9 @@ def start_subprocesses(config_path: str, *, count: int, secret: str,
       the end of its log. Servers already started are stopped.
   """
   os.makedirs(log_dir, exist_ok=True)
-  base_env = dict(os.environ, **(env or {}))
-  base_env[weight_sync.SECRET_ENV] = secret
   # A server on fake CPU devices of a parent test would split its model.
-  base_env.pop('XLA_FLAGS', None)
+  base_env = xla_flags.child_environment(dict(os.environ, **(env or {})))
+  base_env[weight_sync.SECRET_ENV] = secret
   python_path = base_env.get('PYTHONPATH', '')
   base_env['PYTHONPATH'] = _ROOT + (os.pathsep + python_path if python_path
                                     else '')

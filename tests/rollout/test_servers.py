@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from sao_jax import errors
+from sao_jax import xla_flags
 from sao_jax.envs import base
 from sao_jax.models import sampling
 from sao_jax.rollout import client as client_lib
@@ -325,9 +326,10 @@ def test_server_exits_when_its_parent_is_killed(tmp_path):
                        stderr=open({str(tmp_path / 'server.log')!r}, 'w'))
       time.sleep(600)
   ''')
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT,
-             **{weight_sync.SECRET_ENV: SECRET})
-  env.pop('XLA_FLAGS', None)  # one CPU device, not the test session's eight
+  # One CPU device, not the test session's eight.
+  env = xla_flags.child_environment(dict(
+      os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT,
+      **{weight_sync.SECRET_ENV: SECRET}))
   parent = subprocess.Popen([sys.executable, '-c', parent_code], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, text=True)
   server_pid = None
