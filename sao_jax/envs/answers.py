@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import re
 
-import math_verify
-
 KINDS = ('numeric', 'math', 'expression', 'text')
 
 # A number as people and models write it: optional sign (ASCII or Unicode
@@ -191,6 +189,9 @@ def math_equal(answer: str | None, expected) -> bool:
   """
   if not answer or len(answer) > 200:
     return False
+  # Imported here: math_verify brings sympy (0.5 s), and every process that
+  # reads a config imports this module; most never score symbolically.
+  import math_verify  # pylint: disable=g-import-not-at-top
   gold = math_verify.parse(str(expected), parsing_timeout=None)
   pred = math_verify.parse(answer, parsing_timeout=None)
   if not gold or not pred:
