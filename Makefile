@@ -42,9 +42,9 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m sao_jax.train --config=configs/default.py --workdir=$(WORKDIR)
 
 # Two pytest workers (pytest-xdist), slow tests first, work stealing at the
-# end, one XLA compilation cache for the session (tests/conftest.py): 799
-# tests in 12.4 min on this 2-core VM from a cold cache (2026-12-02); 803 in
-# 25.6 min cold and 12.9 min warm on a slower day (2026-12-03, README).
+# end, one XLA compilation cache for the session (tests/conftest.py): 806
+# tests in 16.4 min on this 2-core VM from a cold cache, 18.1 min with the
+# install (2026-12-03, README; docs/design/test_suite_time.md).
 PYTEST_WORKERS ?= 2
 # compileall: the bytecode of this repository's modules, which the suite's
 # hundred-odd processes would each compile again (0.2 s apiece) where
