@@ -8,7 +8,8 @@ optimisation level, dumps, GPU tuning) and passes through: dropping XLA_FLAGS
 whole, as this project once did, also dropped the test suite's fast-compile
 flags from every server and run it started.
 
-Standard library only: the launchers import it before JAX.
+Standard library only: benchmarks/training_runs.py, which never imports JAX,
+uses it too.
 """
 
 from __future__ import annotations
