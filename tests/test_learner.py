@@ -400,3 +400,27 @@ def test_a_train_step_compiled_ahead_is_not_compiled_again():
     monitoring.unregister_event_duration_listener(count)
   assert compiles == []
   assert np.isfinite(np.asarray(m['policy/loss']))
+
+
+@pytest.mark.parametrize('algorithm,old_logprobs', [
+    ('grpo', 'recompute'), ('ppo', 'recompute'), ('ppo', 'decoupled'),
+    ('ppo', 'behavior')])
+def test_top_p_sampling_trains_every_old_policy_mode(algorithm, old_logprobs):
+  # Under top_p = 0.5 most of the fake batch's random tokens lie outside the
+  # tiny model's nucleus: log-prob -inf under the learner. Before they left
+  # the mask, every step of the recompute and decoupled modes was skipped.
+  config = make_config(algorithm, lr=1e-3, **{
+      'mesh.data': 1, 'rollout.top_p': 0.5,
+      'policy_loss.old_logprobs': old_logprobs,
+      'policy_loss.ref_kl_coef': 0.1})
+  learner = make_learner(config, jax.devices()[:1])
+  before = flat(learner.state.policy)
+  metrics = run(learner, [0, 1, 2])
+  for m in metrics:
+    assert m['policy/nonfinite_skips'] == 0
+    assert np.isfinite(m['policy/loss']) and np.isfinite(m['policy/ref_kl'])
+    assert m['policy/nonfinite_tokens'] > 0
+  after = flat(learner.state.policy)
+  assert any(not np.array_equal(after[k], before[k]) for k in before)
+  # The policy moved off the sampling policy: the ratio left 1.
+  assert max(abs(m['policy/ratio_max'] - 1) for m in metrics) > 1e-4

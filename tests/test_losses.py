@@ -269,3 +269,75 @@ def test_r_squared_counts_the_offset_that_explained_variance_ignores():
                              1 - 9.0 / np.var(r), rtol=1e-4)
   np.testing.assert_allclose(losses.r_squared(returns, returns, mask), 1.0)
   assert np.isnan(losses.r_squared(offset, np.ones_like(returns), mask))
+
+
+def truncated_support(seed, logp, old):
+  """-inf log-probs where a token left one policy's top-k / top-p support."""
+  rng = np.random.default_rng(seed)
+  logp, old = logp.copy(), old.copy()
+  logp[rng.random(logp.shape) < 0.15] = -np.inf
+  old[rng.random(old.shape) < 0.15] = -np.inf
+  return logp, old
+
+
+def ppo_numpy_grad(logp, old, adv, mask, eps_low, eps_high):
+  """d loss / d logp_t: -A_t r_t / N where the unclipped term is taken."""
+  ratio = np.exp(logp.astype(np.float64) - old)
+  l1 = -adv * ratio
+  l2 = -adv * np.clip(ratio, 1 - eps_low, 1 + eps_high)
+  return np.where(mask & (l1 >= l2), -adv * ratio, 0.0) / max(mask.sum(), 1)
+
+
+def test_ppo_nonfinite_logprobs_leave_the_mask_before_any_exp():
+  logp, old, adv, mask = random_tokens(11, spread=1.0)
+  logp, old = truncated_support(0, logp, old)
+  finite = mask & np.isfinite(logp) & np.isfinite(old)
+  assert 0 < (mask & ~finite).sum() < finite.sum()
+  fn = jax.jit(lambda lp: losses.ppo_policy_loss(lp, old, adv, mask, 0.2,
+                                                 0.28))
+  (loss, metrics), grad = fn(logp), jax.grad(lambda lp: fn(lp)[0])(logp)
+  # The numpy reference sees only the finite tokens.
+  safe_logp, safe_old = np.where(finite, logp, 0), np.where(finite, old, 0)
+  np.testing.assert_allclose(
+      loss, ppo_numpy(safe_logp, safe_old, adv, finite, 0.2, 0.28), rtol=1e-5)
+  assert np.all(np.isfinite(grad))
+  np.testing.assert_allclose(
+      grad, ppo_numpy_grad(safe_logp, safe_old, adv, finite, 0.2, 0.28),
+      rtol=1e-5, atol=1e-8)
+  assert metrics['nonfinite_tokens'] == (mask & ~finite).sum()
+  assert metrics['num_tokens'] == finite.sum()
+  assert all(np.isfinite(v) for v in metrics.values())
+
+
+def test_decoupled_ppo_with_nonfinite_proximal_logprobs_has_finite_gradient():
+  # The issue's case: a `where` over a NaN branch gave a finite loss and a
+  # NaN gradient. pi_prox = -inf at a token gives weight 0 there.
+  logp, mu, adv, mask = random_tokens(12, spread=1.0)
+  logp, prox = truncated_support(1, logp, mu)
+  weights = losses.truncated_behavior_weights(prox, mu, mask, 2.0)
+  assert np.all(np.isfinite(weights))
+  grad = jax.grad(lambda lp: losses.ppo_policy_loss(
+      lp, prox, adv, mask, 0.2, 0.28, token_weights=weights)[0])(logp)
+  finite = mask & np.isfinite(logp) & np.isfinite(prox)
+  want = ppo_numpy_grad(np.where(finite, logp, 0), np.where(finite, prox, 0),
+                        adv, finite, 0.2, 0.28) * np.asarray(weights)
+  np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize('estimator', ['k1', 'k3'])
+def test_reference_kl_leaves_out_nonfinite_tokens_and_clamps_k3(estimator):
+  logp, ref, _, mask = random_tokens(13)
+  logp, ref = truncated_support(2, logp, ref)
+  finite = mask & np.isfinite(logp) & np.isfinite(ref)
+  kl_fn = lambda lp: losses.reference_kl(lp, ref, mask, estimator)
+  log_r = (np.where(finite, ref, 0).astype(np.float64)
+           - np.where(finite, logp, 0))
+  per_token = -log_r if estimator == 'k1' else np.exp(log_r) - 1 - log_r
+  np.testing.assert_allclose(kl_fn(logp), np.sum(per_token * finite)
+                             / finite.sum(), rtol=1e-5)
+  assert np.all(np.isfinite(jax.grad(kl_fn)(logp)))
+  # verl's clamp: a log-ratio of 30 counts as 20, and k3 as at most 10.
+  one = np.ones((1, 1), bool)
+  far = losses.reference_kl(np.zeros((1, 1), np.float32),
+                            np.full((1, 1), 30.0, np.float32), one, estimator)
+  np.testing.assert_allclose(far, -30.0 if estimator == 'k1' else 10.0)

@@ -372,9 +372,12 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
   if cfg.behavior_kl_coef:
     # k3 estimate of KL(mu || pi) on the sampled tokens, differentiable in pi:
     # a pull towards the rollout engine's policy, not the reference model.
-    log_ratio = jnp.where(mask, logp_BxT - batch.behavior_logprobs_BxT, 0.0)
+    # Tokens outside pi's truncated support (-inf) are left out.
+    kl_mask, _ = losses.finite_mask(mask, logp_BxT)
+    log_ratio = jnp.where(kl_mask, logp_BxT - batch.behavior_logprobs_BxT,
+                          0.0)
     k3 = jnp.exp(log_ratio) - 1.0 - log_ratio
-    kl = losses.aggregate(k3, mask, cfg.aggregation, segments)
+    kl = losses.aggregate(k3, kl_mask, cfg.aggregation, segments)
     loss = loss + cfg.behavior_kl_coef * kl
     metrics['behavior_kl_penalty'] = kl
   if cfg.ref_kl_coef:

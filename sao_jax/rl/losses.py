@@ -40,6 +40,12 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   Unlike DIS, the gradient survives outside the band whenever the unclipped
   term is the larger one (A > 0 with r < 1 - eps_low, A < 0 with r > 1 + eps_high).
 
+  A token whose `logp` or `old_logp` is not finite leaves the mask (the loss
+  and its denominator) before any exp: under top-k / top-p sampling a token
+  outside one policy's truncated support has log-prob -inf there, and its
+  log-ratio would be NaN or infinite. They are counted in
+  `nonfinite_tokens`.
+
   Args:
     logp: float `[B, T]` log pi_theta.
     old_logp: float `[B, T]` log pi_old, the policy the advantages belong to
@@ -57,9 +63,10 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
       mean; `TrainBatch.segment_ids_BxT`), or None: one per row.
 
   Returns:
-    `(loss, metrics)` with `num_tokens`, `clip_frac` (tokens whose clipped term
-    was taken), `dual_clip_frac`, `ratio_mean`, `ratio_min`, `ratio_max`,
-    `kl_k1`, `kl_k3` (KL(pi_old || pi) estimates).
+    `(loss, metrics)` with `num_tokens` (the finite ones), `clip_frac`
+    (tokens whose clipped term was taken), `dual_clip_frac`, `ratio_mean`,
+    `ratio_min`, `ratio_max`, `kl_k1`, `kl_k3` (KL(pi_old || pi) estimates),
+    `nonfinite_tokens`.
 
   References:
     Schulman et al., "Proximal Policy Optimization", arXiv 1707.06347;
@@ -69,6 +76,9 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   where = 'ppo_policy_loss'
   if dual_clip is not None and dual_clip <= 1.0:
     raise ValueError(f'{where}: dual_clip must be > 1 or None, got {dual_clip}')
+  tokens.check_token_inputs(where, mask, logp=logp, old_logp=old_logp,
+                            advantages=advantages)
+  mask, nonfinite = finite_mask(mask, logp, old_logp)
   mask_BxT, (logp_BxT, old_BxT, adv_BxT) = tokens.token_inputs(
       where, mask, logp=logp, old_logp=old_logp, advantages=advantages)
   old_BxT, adv_BxT = jax.lax.stop_gradient((old_BxT, adv_BxT))
@@ -96,7 +106,29 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   count = jnp.maximum(metrics['num_tokens'], 1.0)
   metrics['clip_frac'] = jnp.sum(clip_active_BxT) / count
   metrics['dual_clip_frac'] = jnp.sum(dual_active_BxT) / count
+  metrics['nonfinite_tokens'] = nonfinite
   return loss, metrics
+
+
+def finite_mask(mask, *logps):
+  """`mask` without the tokens where any of `logps` is not finite.
+
+  Truncated sampling (top-k, top-p) gives -inf log-probs to tokens outside a
+  policy's support. Dropping them from the mask before any arithmetic keeps
+  both branches of every later `where` finite, so neither the loss nor its
+  gradient sees NaN (a NaN gradient would make the optimizer skip the whole
+  step).
+
+  Returns:
+    `(mask_BxT, nonfinite)`: a bool `[B, T]` mask and the float32 count of
+    masked-in tokens it dropped.
+  """
+  mask_BxT = jnp.asarray(mask).astype(bool)
+  finite_BxT = jnp.ones_like(mask_BxT)
+  for logp_BxT in logps:
+    finite_BxT &= jnp.isfinite(jax.lax.stop_gradient(logp_BxT))
+  dropped = jnp.sum(mask_BxT & ~finite_BxT).astype(_F32)
+  return mask_BxT & finite_BxT, dropped
 
 
 def truncated_behavior_weights(prox_logp, behavior_logp, mask, cap):
@@ -121,12 +153,21 @@ def truncated_behavior_weights(prox_logp, behavior_logp, mask, cap):
     "Your efficient RL framework secretly brings you off-policy RL training"
     (truncated importance sampling), 2025.
   """
+  tokens.check_token_inputs('truncated_behavior_weights', mask,
+                            prox_logp=prox_logp, behavior_logp=behavior_logp)
+  mask, _ = finite_mask(mask, prox_logp, behavior_logp)
   mask_BxT, (prox_BxT, mu_BxT) = tokens.token_inputs(
       'truncated_behavior_weights', mask, prox_logp=prox_logp,
       behavior_logp=behavior_logp)
   weights_BxT = jnp.minimum(jnp.exp(prox_BxT - mu_BxT), cap)
   return jax.lax.stop_gradient(jnp.where(mask_BxT, weights_BxT, 0.0))
 
+
+#: verl's bounds (`kl_penalty`, low_var_kl): the log-ratio is clamped to
+#: +-20 before the exp, the k3 estimate to +-10, so that one token whose
+#: probability collapsed under either policy cannot dominate the batch.
+_LOG_RATIO_CLAMP = 20.0
+_K3_CLAMP = 10.0
 
 KL_ESTIMATORS = ('k1', 'k3')
 
@@ -138,7 +179,10 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
   With `log r_t = ref_logp_t - logp_t`:
     k1: `-log r_t` (the plain log-ratio; its gradient is `grad logp_t`);
     k3: `r_t - 1 - log r_t` (non-negative, lower variance; GRPO's penalty,
-        verl's `low_var_kl`).
+        verl's `low_var_kl`), with `log r_t` clamped to +-20 and the estimate
+        to +-10 as verl does.
+  Tokens where either log-prob is not finite (outside a truncated support)
+  are left out (`finite_mask`).
 
   Args:
     logp: float `[B, T]` log pi_theta(a_t | s_t).
@@ -157,13 +201,17 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
     Schulman, "Approximating KL divergence", 2020.
   """
   where = 'reference_kl'
+  tokens.check_token_inputs(where, mask, logp=logp, ref_logp=ref_logp)
+  mask, _ = finite_mask(mask, logp, ref_logp)
   mask_BxT, (logp_BxT, ref_BxT) = tokens.token_inputs(
       where, mask, logp=logp, ref_logp=ref_logp)
   log_r_BxT = jax.lax.stop_gradient(ref_BxT) - logp_BxT
   if estimator == 'k1':
     kl_BxT = -log_r_BxT
   elif estimator == 'k3':
-    kl_BxT = jnp.exp(log_r_BxT) - 1.0 - log_r_BxT
+    log_r_BxT = jnp.clip(log_r_BxT, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    kl_BxT = jnp.clip(jnp.exp(log_r_BxT) - 1.0 - log_r_BxT, -_K3_CLAMP,
+                      _K3_CLAMP)
   else:
     raise ValueError(f'{where}: unknown estimator {estimator!r}; expected one'
                      f' of {KL_ESTIMATORS}')
