@@ -169,6 +169,18 @@ class Checkpointer:
       _log.info('checkpoint of step %d started in %s', step, self.directory)
     return bool(saved)
 
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether `save(step, ..., force=force)` would start a save.
+
+    Lets the caller build the metadata only when it is needed: on several
+    processes gathering it is a collective (every process asks at the same
+    step, and gets the same answer).
+    """
+    step = int(step)
+    if force:
+      return step not in self._manager.all_steps()
+    return bool(self._manager.should_save(step))
+
   def wait(self) -> None:
     """Blocks until the last started save is finalized on disk.
 

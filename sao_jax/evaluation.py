@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
+from sao_jax import distributed
 from sao_jax.envs import base
 from sao_jax.envs import task_stream
 from sao_jax.models import decoding
@@ -98,7 +99,7 @@ class EvalResult:
 
 
 def _generate_batched(model, prompts, *, max_new_tokens, batch_size, params,
-                      key, stop_ids, pad_id, bucket):
+                      key, stop_ids, pad_id, bucket, row_sharding=None):
   """`decoding.generate` over `prompts` in length-sorted, equal batches.
 
   The prompts are split into the fewest batches of at most `batch_size` rows,
@@ -109,21 +110,30 @@ def _generate_batched(model, prompts, *, max_new_tokens, batch_size, params,
   whole batch; and the same prompts always give the same shapes, so repeated
   evaluations reuse the compiled prefill and decode steps.
 
+  With `row_sharding` (several processes) `prompts` are this host's and
+  `batch_size` counts each host's rows: the hosts agree on the number of
+  batches (the most any host needs) and decode each one together.
+
   Returns:
     One `Generation` per prompt, in the order of `prompts`.
   """
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-  num_batches = -(-len(prompts) // batch_size)
-  rows = -(-len(prompts) // num_batches)
+  most = len(prompts)
+  if row_sharding is not None:
+    most = max(distributed.allgather_json(len(prompts)))
+  num_batches = -(-most // batch_size)
+  rows = -(-most // num_batches) if num_batches else 0
   outputs = [None] * len(prompts)
-  for start in range(0, len(order), rows):
+  for start in range(0, num_batches * rows, rows):
     indices = order[start:start + rows]
     batch = [prompts[i] for i in indices]
-    batch += [batch[-1]] * (rows - len(batch))
+    if row_sharding is None:
+      batch += [batch[-1]] * (rows - len(batch))
     key, sub = jax.random.split(key)
     generations = decoding.generate(
         model, batch, max_new_tokens, params=params, key=sub,
-        stop_ids=stop_ids, pad_id=pad_id, bucket=bucket)
+        stop_ids=stop_ids, pad_id=pad_id, bucket=bucket,
+        row_sharding=row_sharding)
     for index, generation in zip(indices, generations):
       outputs[index] = generation
   return outputs
@@ -150,7 +160,9 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
              env: base.Environment, tasks: Sequence[base.Task], *,
              max_new_tokens: int, batch_size: int = 64,
              params: sampling.SamplingParams = GREEDY, key=None,
-             bucket: int = 16) -> EvalResult:
+             bucket: int = 16,
+             row_sharding: jax.sharding.NamedSharding | None = None
+             ) -> EvalResult:
   """Plays every task once with the model and judges it with the environment.
 
   Multi-turn environments (`env.max_turns > 1`) are played turn by turn, all
@@ -174,6 +186,13 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
       the batching (keys are drawn per batch).
     key: PRNG key for sampling; defaults to key 0.
     bucket: prompt lengths are padded to a multiple of this.
+    row_sharding: on several processes, the learner's batch-axis sharding
+      (`Learner.row_sharding`) over every process's devices. Each host then
+      plays every `jax.process_count()`-th task (`tasks[p::P]`, which
+      interleaves long and short ones), the hosts decode their rows as one
+      global batch, and every host returns the whole result. A collective:
+      every process calls it with the same `tasks`. Without it, on several
+      processes each would decode the whole set (the same work P times).
 
   Returns:
     An `EvalResult` with per-task outcomes in the order of `tasks`; a task is
@@ -185,6 +204,12 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
   if batch_size < 1 or max_new_tokens < 1:
     raise ValueError(f'evaluate: batch_size ({batch_size}) and max_new_tokens'
                      f' ({max_new_tokens}) must be >= 1')
+  if row_sharding is not None and jax.process_count() == 1:
+    row_sharding = None  # one host decodes the whole set anyway
+  all_tasks = tasks
+  if row_sharding is not None:
+    batch_size = max(batch_size // jax.process_count(), 1)
+    tasks = all_tasks[jax.process_index()::jax.process_count()]
   start_time = time.perf_counter()
   key = jax.random.key(0) if key is None else key
   pad_id = tok.pad_id if tok.pad_id is not None else (
@@ -203,13 +228,17 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
   judged = list(tasks)  # each row's task for its next turn (next_task)
   open_rows = list(range(len(tasks)))
   for turn in range(env.max_turns):
-    if not open_rows:
+    any_open = bool(open_rows)
+    if row_sharding is not None:
+      any_open = any(distributed.allgather_json(any_open))
+    if not any_open:
       break
     key, sub = jax.random.split(key)
     generations = _generate(
         model, [contexts[row] for row in open_rows],
         max_new_tokens=max_new_tokens, batch_size=batch_size, params=params,
-        key=sub, stop_ids=tok.stop_ids, pad_id=pad_id, bucket=bucket)
+        key=sub, stop_ids=tok.stop_ids, pad_id=pad_id, bucket=bucket,
+        row_sharding=row_sharding)
     still_open = []
     for row, generation in zip(open_rows, generations):
       contexts[row] += generation.tokens
@@ -228,9 +257,27 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
 
   replies = [tok.decode(context[len(prompt):], skip_special_tokens=True)
              for context, prompt in zip(contexts, prompts)]
+  seconds = time.perf_counter() - start_time
+  if row_sharding is not None:
+    correct, rewards, replies, seconds = _gather_outcomes(
+        len(all_tasks), correct, rewards, replies, seconds)
   return EvalResult.from_outcomes(
-      correct, rewards, replies, time.perf_counter() - start_time,
-      task_ids=[task.id for task in tasks])
+      correct, rewards, replies, seconds,
+      task_ids=[task.id for task in all_tasks])
+
+
+def _gather_outcomes(n, correct, rewards, replies, seconds):
+  """Every host's outcomes of its `tasks[p::P]`, back in the tasks' order;
+  the seconds of the slowest host."""
+  every = distributed.allgather_json(
+      {'correct': correct, 'rewards': rewards, 'replies': replies,
+       'seconds': seconds})
+  out = {'correct': [False] * n, 'rewards': [0.0] * n, 'replies': [''] * n}
+  for process, host in enumerate(every):
+    for name, values in out.items():
+      values[process::len(every)] = host[name]
+  return (out['correct'], out['rewards'], out['replies'],
+          max(host['seconds'] for host in every))
 
 
 def compare(before: EvalResult,

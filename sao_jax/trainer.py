@@ -72,7 +72,13 @@ def run(config, workdir: str) -> RunResult:
 
 
 def _check_before_start(config, workdir: str) -> None:
-  """Raises the user's mistakes in seconds, not after the model loaded."""
+  """Raises the user's mistakes in seconds, not after the model loaded.
+
+  A multi-host run joins its process group first: the mesh is checked
+  against the devices of every host, which only then are known (and JAX
+  allows no device query before the join).
+  """
+  distributed.initialize(config.distributed)
   config_lib.validate(config)
   config_lib.check_inputs(config)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -82,7 +88,6 @@ def _check_before_start(config, workdir: str) -> None:
 
 
 def _run(config, workdir: str, stop_flag) -> RunResult:
-  distributed.initialize(config.distributed)
   # With several processes a stop must reach all at one step (should_stop).
   stop_flag.exit_immediately = jax.process_count() == 1
   chief = jax.process_index() == 0
@@ -95,8 +100,11 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   memory.mark('model_load')
   env = registry.make(config.task)
   held_out = evaluation.held_out_tasks(env, config.task.held_out)
+  # Each host reads its own slice of the train indices: no prompt is rolled
+  # out twice, and a global batch of B trajectories holds B prompts.
   ledger = task_ledger.TaskLedger(task_stream.TaskStream(
-      env, exclude_questions={t.question for t in held_out}))
+      env, exclude_questions={t.question for t in held_out},
+      start=jax.process_index(), stride=jax.process_count()))
   mesh = learner_lib.mesh_from_config(config)
   ckpt = checkpointing.Checkpointer(
       os.path.join(workdir, 'checkpoints'),
@@ -118,7 +126,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   meta: dict[str, Any] = {}
   if resume:
     state, meta = ckpt.restore(abstract_state=learner.abstract_state)
-    ledger.load_state_dict(meta['ledger'])
+    host = _host_metadata(meta)
+    ledger.load_state_dict(host['ledger'])
     slots.load_state_dict(meta['prompt_slots'])
     _log.info('resumed from step %d', int(state.step))
   else:
@@ -138,8 +147,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     rollouts = rollout_system.RolloutSystem(
         config, workdir, tok, env, ledger, vocab_size,
         batch_size, step, restart, stop_flag)
-    if meta.get('queue'):
-      rollouts.load_state_dict(meta['queue'])
+    if resume and host.get('queue'):
+      rollouts.load_state_dict(host['queue'])
     env.on_policy_step(step)
     rollouts.start(state.policy, step)
     memory.mark('rollouts_start')
@@ -181,14 +190,15 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         process_memory.return_free_pages()
         batch = batch.replace(
             slot_ids_N=slots.trajectory_ids(trajectories))
+        trained = distributed.allgather_json(
+            sorted(int(t.info['task_index']) for t in trajectories))
         state, device_metrics = learner.train_step(
             state, learner.device_batch(batch))
         # Step n-1's metrics are read while step n runs (nanodo's order).
         records.flush()
         jax.block_until_ready(state.step)
       memory.mark('train')
-      task_indices = sorted({t.info['task_index'] for t in trajectories})
-      ledger.mark_done(task_indices)
+      ledger.mark_done(trained[jax.process_index()])
       step += 1
       rollouts.set_learner_version(step)
       env.on_policy_step(step)
@@ -205,10 +215,11 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       metrics.update(train_metrics.batch_metrics(trajectories, step))
       metrics['batch/rows'] = batch.tokens_BxT.shape[0]
       metrics['batch/padding_fraction'] = batching.padding_fraction(batch)
-      metrics.update({'data/task_min': task_indices[0],
-                      'data/task_max': task_indices[-1],
-                      'data/task_sum': sum(task_indices),
-                      'data/frontier': ledger.state_dict()['stream']['cursor']})
+      metrics.update(_data_metrics(
+          trained, distributed.allgather_json(
+              ledger.state_dict()['stream']['cursor'])))
+      if chief:
+        _log_trained_tasks(workdir, step, trained)
       for section, stats in rollouts.stats().items():
         metrics.update(train_metrics.prefixed(section, stats))
       metrics.update(tracker.metrics())
@@ -225,17 +236,19 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       # The last step is saved after the loop, once the rollouts are
       # stopped: written here, its write overlapped the rollouts (in the
       # Colab quickstart, an engine decoding in this process).
-      if (step < config.total_steps or stopped) and ckpt.save(
-          step, state, _metadata(config, ledger, slots, rollouts, before,
-                                 restart), force=stopped):
+      if ((step < config.total_steps or stopped) and
+          ckpt.due(step, force=stopped) and ckpt.save(
+              step, state, _metadata(config, ledger, slots, rollouts, before,
+                                     restart), force=stopped)):
         memory.mark('checkpoint')
       if stopped:
         break
     records.flush()
     if stopped:
-      # A no-op when this step was saved in the loop.
-      ckpt.save(step, state, _metadata(
-          config, ledger, slots, rollouts, before, restart), force=True)
+      # Nothing to do when this step was saved in the loop.
+      if ckpt.due(step, force=True):
+        ckpt.save(step, state, _metadata(
+            config, ledger, slots, rollouts, before, restart), force=True)
       progress.print_line(f'stop requested: saved step {step}')
     else:
       # The rollouts stopped, then the last step saved and written, before
@@ -276,16 +289,56 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
 
 def _metadata(config, ledger, slots, rollouts, before,
               restart) -> dict[str, Any]:
+  """What a checkpoint keeps beside the state (a collective on several
+  processes: orbax writes the metadata of process 0, so every host's data
+  cursor and queue counters are gathered into it, under `hosts`)."""
   return {
       'restart': restart,
-      'ledger': ledger.state_dict(),
+      'hosts': distributed.allgather_json({
+          'ledger': ledger.state_dict(), 'queue': rollouts.state_dict()}),
       'prompt_slots': slots.state_dict(),
-      'queue': rollouts.state_dict(),
       'pretrained': True,
       'eval_before': (dataclasses.asdict(before) if before is not None
                       else None),
       'config': config.to_json(),
   }
+
+
+def _host_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+  """This process's part of a checkpoint's metadata (`_metadata`)."""
+  if 'hosts' not in meta:  # written before hosts were kept apart
+    hosts = [{'ledger': meta['ledger'], 'queue': meta.get('queue')}]
+  else:
+    hosts = meta['hosts']
+  if len(hosts) != jax.process_count():
+    raise config_lib.ConfigError(
+        f'the checkpoint was written by {len(hosts)} processes, this run has'
+        f' {jax.process_count()}: each host resumes its own slice of the'
+        ' task stream, so resume with the same number of processes')
+  return hosts[jax.process_index()]
+
+
+def _data_metrics(trained: list[list[int]],
+                  frontiers: list[int]) -> dict[str, float]:
+  """Which tasks the global batch trained on (`trained`: each host's task
+  indices), and the data frontier (the least of the hosts')."""
+  every = [i for host in trained for i in host]
+  return {'data/task_min': min(every), 'data/task_max': max(every),
+          'data/task_sum': sum(every),
+          'data/distinct_tasks': len(set(every)),
+          'data/frontier': min(frontiers)}
+
+
+def _log_trained_tasks(workdir: str, step: int,
+                       trained: list[list[int]]) -> None:
+  """Appends the step's task indices, per host, to `trained_tasks.jsonl`.
+
+  The record of which prompts each step trained on (a resume appends; a step
+  re-run after a crash past its checkpoint appears again, the last line
+  counts).
+  """
+  with open(os.path.join(workdir, 'trained_tasks.jsonl'), 'a') as f:
+    f.write(json.dumps({'step': step, 'task_index': trained}) + '\n')
 
 
 class _StepRecords:
@@ -330,7 +383,8 @@ def _evaluate(learner, state, tok, env, tasks, config, logger, step,
   result = evaluation.evaluate(
       learner.policy_model(state), tok, env, tasks,
       max_new_tokens=config.eval.max_new_tokens,
-      batch_size=config.eval.batch_size, params=params, key=key)
+      batch_size=config.eval.batch_size, params=params, key=key,
+      row_sharding=learner.row_sharding)
   if jax.process_index() == 0:
     _save_replies(os.path.join(logger.workdir, 'eval', f'step_{step}.jsonl'),
                   tasks, result)

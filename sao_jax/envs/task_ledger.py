@@ -39,7 +39,7 @@ class TaskLedger:
     with self._lock:
       while True:
         task = next(self._stream)
-        index = self._stream.cursor - 1
+        index = self._stream.last_index
         if index in self._done_above:
           continue
         self._outstanding.add(index)

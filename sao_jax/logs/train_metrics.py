@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sao_jax import distributed
 from sao_jax import process_memory
 from sao_jax import types
 
@@ -139,7 +141,10 @@ class PromptSlots:
   Questions (`question_digest`) get slots in order of first appearance; past
   `capacity` distinct questions, new ones share slots chosen by their digest
   (counted): a bounded memory that degrades gracefully for huge question sets,
-  and the same choice in every process.
+  and the same choice in every process. On several processes
+  `trajectory_ids` numbers the digests of every host's batch, gathered in
+  process order, so every host holds the same table and a slot names one
+  question across the global batch.
   """
 
   def __init__(self, capacity: int):
@@ -167,9 +172,16 @@ class PromptSlots:
 
   def trajectory_ids(self, trajectories) -> np.ndarray:
     """The slot of each trajectory's question (`TrainBatch.slot_ids_N`):
-    per trajectory, not per row, since a packed row holds several."""
-    return self.ids(question_digest(t.tokens, t.action_mask)
-                    for t in trajectories)
+    per trajectory, not per row, since a packed row holds several.
+
+    A collective on several processes: every process calls it with its own
+    batch, at the same step.
+    """
+    mine = [question_digest(t.tokens, t.action_mask) for t in trajectories]
+    every = distributed.allgather_json(mine)
+    ids = self.ids(itertools.chain.from_iterable(every))
+    offset = sum(len(d) for d in every[:jax.process_index()])
+    return ids[offset:offset + len(mine)]
 
   def state_dict(self) -> dict[str, Any]:
     return {'slots': dict(self._slots), 'shared': self.shared}

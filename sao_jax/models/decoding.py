@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from sao_jax import array_checks
 from sao_jax.models import model_config
@@ -107,11 +108,20 @@ def _decode_and_sample(graphdef, state, cache, tokens_B, positions_B, params,
   return cache, next_B, logprobs_B
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _extend_cache(prefix: KVCache, extra: int, dtype) -> KVCache:
+  """The prompts' keys/values followed by room for `extra` positions."""
+  pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+  return KVCache(*(jnp.pad(c.astype(dtype), pad) for c in prefix))
+
+
 def generate(model: transformer.CausalLM, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, params: sampling.SamplingParams = (
                  sampling.SamplingParams()),
              key=None, stop_ids: Sequence[int] = (), pad_id: int = 0,
-             bucket: int = 16) -> list[Generation]:
+             bucket: int = 16,
+             row_sharding: jax.sharding.NamedSharding | None = None
+             ) -> list[Generation]:
   """Generates continuations of a batch of prompts (evaluation and tests).
 
   All prompts are prefilled together (right-padded to a multiple of
@@ -127,42 +137,101 @@ def generate(model: transformer.CausalLM, prompts: Sequence[Sequence[int]],
     stop_ids: tokens that end a row (kept in its output).
     pad_id: token used for padding.
     bucket: prompt lengths are padded up to a multiple of this.
+    row_sharding: with several processes, the sharding of a batch axis over
+      all processes' devices (the learner's `row_sharding`): `prompts` are
+      then this process's rows of one global batch, decoded on every host's
+      devices at once. A collective: every process calls it, with any number
+      of prompts (none too); the hosts agree on the rows and the prompt
+      length, and decode until every host's rows have stopped.
 
   Returns:
     One `Generation` per prompt.
   """
-  if not prompts or any(len(p) == 0 for p in prompts):
+  if any(len(p) == 0 for p in prompts) or not (prompts or row_sharding):
     raise ValueError('generate: every prompt needs at least one token')
   key = jax.random.key(0) if key is None else key
   graphdef, state = nnx.split(model)
-  batch = len(prompts)
+  hosts = _HostRows(row_sharding) if row_sharding is not None else None
   lengths = np.array([len(p) for p in prompts], np.int32)
-  padded_len = int(-(-lengths.max() // bucket) * bucket)
-  tokens = np.full((batch, padded_len), pad_id, np.int32)
+  longest = int(lengths.max()) if len(prompts) else 1
+  rows = len(prompts)
+  if hosts is not None:
+    rows, longest = hosts.agree(rows, longest)
+  padded_len = int(-(-longest // bucket) * bucket)
+  tokens = np.full((rows, padded_len), pad_id, np.int32)
   for row, prompt in enumerate(prompts):
     tokens[row, :len(prompt)] = prompt
+  # Rows past this host's prompts repeat its last prompt (or one pad token):
+  # no longer prompt, and under greedy decoding no more decode steps.
+  filler = list(prompts[-1]) if prompts else [pad_id]
+  tokens[len(prompts):, :len(filler)] = filler
+  lengths = np.concatenate(
+      [lengths, np.full(rows - len(prompts), len(filler), np.int32)])
+  if hosts is not None:
+    tokens, lengths = hosts.place(tokens), hosts.place(lengths)
 
   key, sub = jax.random.split(key)
   prefix, next_B, logp_B = _prefill_and_sample(graphdef, state, tokens,
                                                lengths, sub, params)
-  cache = init_cache(model.config, batch, padded_len + max_new_tokens)
-  cache = KVCache(*(jax.lax.dynamic_update_slice(c, p.astype(c.dtype),
-                                                 (0, 0, 0, 0, 0))
-                    for c, p in zip(cache, prefix)))
+  cache = _extend_cache(prefix, max_new_tokens,
+                        jnp.dtype(model.config.compute_dtype))
   stops = set(int(s) for s in stop_ids)
   outputs = [Generation([], [], False) for _ in prompts]
-  positions_B = jnp.asarray(lengths)
+  positions_B = jnp.asarray(lengths) if hosts is None else lengths
+  read = np.asarray if hosts is None else hosts.local
   for step in range(max_new_tokens):
-    next_host, logp_host = np.asarray(next_B), np.asarray(logp_B)
+    next_host, logp_host = read(next_B), read(logp_B)
     for row, out in enumerate(outputs):
       if not out.stopped and len(out.tokens) < max_new_tokens:
         out.tokens.append(int(next_host[row]))
         out.logprobs.append(float(logp_host[row]))
         out.stopped = int(next_host[row]) in stops
-    if step == max_new_tokens - 1 or all(o.stopped for o in outputs):
+    done = all(o.stopped for o in outputs)
+    if hosts is not None:
+      done = hosts.all(done)
+    if step == max_new_tokens - 1 or done:
       break
     key, sub = jax.random.split(key)
     cache, next_B, logp_B = _decode_and_sample(
         graphdef, state, cache, next_B, positions_B, params, sub)
     positions_B = positions_B + 1
   return outputs
+
+
+class _HostRows:
+  """This process's rows of a batch sharded over every process's devices."""
+
+  def __init__(self, row_sharding: jax.sharding.NamedSharding):
+    self.rows = row_sharding
+    first = row_sharding.spec[0] if len(row_sharding.spec) else None
+    self.matrix = jax.sharding.NamedSharding(
+        row_sharding.mesh, jax.sharding.PartitionSpec(first, None))
+    axes = (first,) if isinstance(first, str) else tuple(first or ())
+    # Row blocks of the batch axis on each process: its rows come in
+    # multiples of these.
+    blocks = int(np.prod([row_sharding.mesh.shape[a] for a in axes]))
+    self.multiple = max(blocks // jax.process_count(), 1)
+
+  def agree(self, rows: int, longest: int) -> tuple[int, int]:
+    """The rows per process and the prompt length every host uses."""
+    every = multihost_utils.process_allgather(
+        np.asarray([rows, longest], np.int64)).reshape(-1, 2)
+    rows = max(int(every[:, 0].max()), 1)
+    return -(-rows // self.multiple) * self.multiple, int(every[:, 1].max())
+
+  def place(self, local: np.ndarray) -> jax.Array:
+    sharding = self.rows if local.ndim == 1 else self.matrix
+    shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+  @staticmethod
+  def local(x: jax.Array) -> np.ndarray:
+    """This process's rows of `x`, in order (replicas read once)."""
+    shards = {s.index[0].start or 0: s for s in x.addressable_shards}
+    return np.concatenate([np.asarray(shards[start].data)
+                           for start in sorted(shards)])
+
+  @staticmethod
+  def all(flag: bool) -> bool:
+    every = multihost_utils.process_allgather(np.asarray(flag, np.int32))
+    return bool(np.all(every))

@@ -89,8 +89,8 @@ def start_subprocesses(config_path: str, *, count: int, secret: str,
                        log_dir: str, overrides: Sequence[str] = (),
                        env: dict | None = None, timeout_s: float = 600.0,
                        restart: int = 0, weights_root: str | None = None,
-                       should_abort: Callable[[], bool] | None = None
-                       ) -> list[SubprocessServer]:
+                       should_abort: Callable[[], bool] | None = None,
+                       first_index: int = 0) -> list[SubprocessServer]:
   """Starts `count` server processes and waits until each accepts requests.
 
   The processes start together (their imports and model loads overlap); each
@@ -101,7 +101,7 @@ def start_subprocesses(config_path: str, *, count: int, secret: str,
     config_path: `path.py[:arg]` given to `--config`.
     count: number of servers.
     secret: the admin secret (passed in the environment, never argv).
-    log_dir: where each server's log goes (`server<i>.log`).
+    log_dir: where each server's log goes (`server<index>.log`).
     overrides: extra `--config.a.b=value` flags.
     env: extra environment variables for the servers.
     timeout_s: how long a server may take to become ready.
@@ -112,6 +112,9 @@ def start_subprocesses(config_path: str, *, count: int, secret: str,
       refuse any other path).
     should_abort: polled while waiting; True stops the servers and raises
       `StartAborted` (a stop requested during start-up).
+    first_index: the index of the first server among the run's servers
+      (on several hosts each starts its own: process p's are numbered from
+      p * count, so no two draw the same stream or share a log).
 
   Raises:
     RuntimeError: a server exited or did not become ready; the message holds
@@ -126,7 +129,7 @@ def start_subprocesses(config_path: str, *, count: int, secret: str,
                                     else '')
   started = []
   try:
-    for i in range(count):
+    for i in range(first_index, first_index + count):
       log_path = os.path.join(log_dir, f'server{i}.log')
       argv = server_argv(config_path, i, restart, overrides,
                          weights_root=weights_root, parent_pid=os.getpid())

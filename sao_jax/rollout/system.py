@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from sao_jax import config_lib
 from sao_jax import types
 from sao_jax.rollout import batching
@@ -101,12 +103,17 @@ class RolloutSystem:
       self._addresses = [a.strip() for a in r.server_addresses.split(',')
                          if a.strip()]
     else:
-      config_path = os.path.join(workdir, 'server_config.py')
+      # On several hosts sharing the workdir each writes its own copy.
+      process = jax.process_index()
+      config_path = os.path.join(
+          workdir, 'server_config.py' if jax.process_count() == 1
+          else f'server_config_{process}.py')
       config_lib.write_config_file(config, config_path)
       servers = launch.start_subprocesses(
           config_path, count=r.num_servers, secret=secret,
           log_dir=self._server_log_dir, restart=restart,
-          weights_root=self._weights_dir)
+          weights_root=self._weights_dir,
+          first_index=process * r.num_servers)
       self._addresses = [s.address for s in servers]
       self._supervisor = server_supervisor.Supervisor(
           servers, on_death=self._on_death,

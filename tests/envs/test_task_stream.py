@@ -95,3 +95,46 @@ def test_everything_held_out_raises(monkeypatch):
   held = [t.question for t in task_stream.held_out(env, 200)]
   with pytest.raises(RuntimeError, match='held out'):
     next(task_stream.TaskStream(env, held))
+
+
+def test_slices_of_processes_partition_the_stream():
+  env = _one_digit_pairs()
+  held = [t.question for t in task_stream.held_out(env, 20)]
+  whole = task_stream.TaskStream(env, held)
+  reference = []
+  for task in itertools.islice(whole, 300):
+    reference.append(whole.last_index)
+  slices = []
+  for process in range(3):
+    stream = task_stream.TaskStream(env, held, start=process, stride=3)
+    drawn = []
+    for _ in range(100):
+      task = next(stream)
+      assert task == env.task('train', stream.last_index)
+      drawn.append(stream.last_index)
+    assert all(i % 3 == process for i in drawn)
+    slices.append(drawn)
+  merged = sorted(itertools.chain(*slices))
+  assert len(set(merged)) == 300  # no index drawn by two processes
+  # Together they read the stream the one process reads, up to where the
+  # slowest slice stopped.
+  end = min(s[-1] for s in slices)
+  assert [i for i in merged if i <= end] == [i for i in reference if i <= end]
+
+
+def test_sliced_resume_continues_the_slice_and_refuses_another():
+  env = _one_digit_pairs()
+  held = [t.question for t in task_stream.held_out(env, 20)]
+  straight = task_stream.TaskStream(env, held, start=1, stride=2)
+  reference = [t.id for t in itertools.islice(straight, 60)]
+  first = task_stream.TaskStream(env, held, start=1, stride=2)
+  part = [t.id for t in itertools.islice(first, 25)]
+  resumed = task_stream.TaskStream(env, held, start=1, stride=2)
+  resumed.load_state_dict(first.state_dict())
+  part += [t.id for t in itertools.islice(resumed, 35)]
+  assert part == reference
+  with pytest.raises(ValueError, match='slice 1 \\(mod 2\\).*0 \\(mod 2\\)'):
+    task_stream.TaskStream(env, held, start=0, stride=2).load_state_dict(
+        first.state_dict())
+  with pytest.raises(ValueError, match='same number of processes'):
+    task_stream.TaskStream(env, held).load_state_dict(first.state_dict())
