@@ -109,6 +109,7 @@ def random_batch(vocab: int, rows: int, prompt: int, action: int,
       behavior_logprobs_BxT=np.where(
           action_mask, -np.log(vocab) + rng.normal(0, 0.05, (rows, length)),
           0.0).astype(np.float32),
+      versions_BxT=np.where(action_mask, 0, -1).astype(np.int32),
       rewards_BxT=rewards_BxT,
       positions_BxT=np.broadcast_to(np.arange(length, dtype=np.int32),
                                     (rows, length)).copy(),

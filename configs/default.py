@@ -42,6 +42,12 @@ def get_config(arg=None):
   c.model.source = 'smollm2-135m-instruct'
   c.model.dtype = 'float32'  # compute dtype: float32 | bfloat16
   c.model.param_dtype = 'float32'  # parameter (and AdamW state) dtype
+  # The LM head's operands: '' = model.dtype | float32. float32 under
+  # bfloat16 compute keeps the vocabulary-wide matmul (the logsumexp is
+  # always float32) out of bf16 rounding, on the learner and the servers
+  # alike: the train/inference log-prob mismatch it causes shows in the
+  # parity/* metrics (BENCHMARKS.md, log-prob parity).
+  c.model.logits_dtype = ''
   # Recompute layer activations in the backward pass. The demo's three
   # 30-layer backward passes (K = 2 critic updates, one policy update) would
   # otherwise hold every layer's activations: with the two settings below it
@@ -176,7 +182,10 @@ def get_config(arg=None):
   c.advantage.adaptive_lambda = True  # lambda_policy = 1 - 1/(alpha * l)
   c.advantage.alpha = 1.5  # alpha of the length-adaptive lambda
   c.advantage.lam = 0.95  # lambda_policy when adaptive_lambda is False
-  c.advantage.normalize = False  # whiten A over the batch's action tokens
+  # Whiten A over the batch's action tokens: (A - mean) / sqrt(var + 1e-8),
+  # var with Bessel's correction (verl's masked_whiten). SAO: off (DIS's
+  # advantages are the critic's raw GAE); ppo/vapo presets: on, as verl's GAE.
+  c.advantage.normalize = False
   # The critic's values behind A: pre_update (before the batch's K critic
   # updates, as verl computes them) | post_update (after them: the baseline
   # has regressed onto each trajectory's own return; an ablation).
@@ -190,10 +199,19 @@ def get_config(arg=None):
 
   # Critic V_phi: same backbone, scalar head, trained K times per policy step.
   c.critic = ml_collections.ConfigDict()
+  # K passes over each batch, each in M_c shuffled mini-batches, one critic
+  # optimizer step per mini-batch. SAO: K = 2 full-batch steps (M_c = 1).
+  # 0 follows the actor's optim.policy_minibatches, as verl's critic
+  # defaults to the actor's mini-batch size (the ppo/vapo presets; their K is
+  # set to the actor's E = 1, and does not follow a later override of E).
   c.critic.steps_per_policy_step = 2  # K (paper: 2)
+  c.critic.minibatches = 1  # M_c; 0: the actor's M
   c.critic.frozen_attention = True  # attention parameters not trained in RL
   c.critic.lam = 1.0  # lambda_critic: Monte-Carlo returns
-  c.critic.value_clip = 0.0  # PPO value clip width; 0 disables it
+  # PPO value clip: V_old + clip(V - V_old, +-eps) against the values before
+  # the batch's updates; 0 disables it. SAO: off (its K updates regress fixed
+  # Monte-Carlo returns); ppo/vapo presets: 0.5 (verl's cliprange_value).
+  c.critic.value_clip = 0.0
   # Value pretraining on the initial policy's rollouts: stops when the
   # critic's R^2 = 1 - MSE / Var(R) (explained variance that also counts an
   # offset from the mean return; measured on each new batch before training
@@ -222,9 +240,13 @@ def get_config(arg=None):
   for role, lr in (('actor', 2e-5), ('critic', 1e-4)):
     o = ml_collections.ConfigDict()
     o.learning_rate = lr  # peak learning rate, after the warm-up
-    o.warmup_steps = 3  # linear warm-up from 0, in optimizer steps
+    # Linear warm-up over this many policy steps (batches, not optimizer
+    # steps: M = 4 presets warm up over as many batches as SAO): batch b
+    # trains at (b + 1) / (warmup_steps + 1) of the rate, above 0 from the
+    # first batch (a warm-up from 0 wastes the first update).
+    o.warmup_steps = 3
     # After the warm-up: constant | cosine (decay to min_lr_ratio x the
-    # rate at the run's last optimizer step; verl's and OpenRLHF's cosine).
+    # rate at the run's last batch; verl's and OpenRLHF's cosine).
     o.schedule = 'constant'
     o.min_lr_ratio = 0.1  # the cosine's floor, a fraction of learning_rate
     o.grad_clip_norm = 1.0  # global gradient-norm clip
@@ -243,8 +265,10 @@ def get_config(arg=None):
   # training sees 69 questions ~5 times each. Held-out at step 22, seeds
   # 0-3: cosine 0.750, 0.610, 0.755, 0.725 (mean 0.710 +- 0.034); constant,
   # seeds 0-1: 0.520, 0.650 (BENCHMARKS.md, the main job). The critic's rate
-  # stays constant: its targets move with the policy. tiny.py and the TPU
-  # presets keep a constant rate.
+  # stays constant: its targets move with the policy. So the critic/actor
+  # rate ratio is the spec's 5x at the peak and grows to 50x at the last
+  # step (a deliberate deviation; `--config.optim.critic.schedule=cosine`
+  # keeps 5x throughout). tiny.py and the TPU presets keep a constant rate.
   c.optim.actor.schedule = 'cosine'
 
   # Kernels for the DIS loss and GAE: auto = Pallas on TPU, XLA elsewhere;
@@ -398,19 +422,24 @@ def _apply_algorithm_presets(c):
       prompt (VAPO's group sampling; SAO.md's table runs it with 1, set
       `group_size=1`), decoupled GAE (lambda_critic = 1, length-adaptive
       lambda_policy with alpha = 0.05), clip-higher 0.2 / 0.28 against the
-      recomputed old policy, token-level loss, value pretraining, M = 4, one
-      critic update per batch with attention trained. Not included: VAPO's
-      positive-example LM loss and its 50-step critic warm-up.
+      recomputed old policy, token-level loss, value pretraining, M = 4 for
+      the actor and the critic (verl's), value clip 0.5, whitened advantages,
+      attention trained. Not included: VAPO's positive-example LM loss and
+      its 50-step critic warm-up.
     running_mean: 1 rollout, reward minus the question's running mean, DIS.
     ppo: classic PPO: fixed lambda for actor and critic, symmetric clip 0.2,
-      no value pretraining, M = 4.
+      no value pretraining, M = 4 for actor and critic, value clip 0.5,
+      whitened advantages (verl's PPO).
   """
   if c.algorithm not in algorithms.ALGORITHMS:
     raise config_lib.ConfigError(
         f'unknown algorithm {c.algorithm!r}; expected one of'
         f' {", ".join(algorithms.ALGORITHMS)}')
   if c.algorithm in ('grpo', 'grpo_dis', 'vapo'):
-    c.group_size = 8  # G (GRPO paper: 16 prompts x 8)
+    # G (GRPO paper: 16 prompts x 8). VAPO's group sampling is VAPO's own
+    # technique, kept here; SAO's comparison row with one rollout per
+    # prompt is the same preset with `--config.group_size=1`.
+    c.group_size = 8
   if c.algorithm in ('grpo', 'grpo_dis'):
     c.advantage.estimator = 'grpo'
   if c.algorithm == 'running_mean':
@@ -425,9 +454,14 @@ def _apply_algorithm_presets(c):
     # acts (the ratio is exactly 1): peers take several (verl: 4).
     c.optim.policy_minibatches = 4
   if c.algorithm in ('vapo', 'ppo'):
-    # Vanilla critics: one update per policy step, attention trained too.
-    c.critic.steps_per_policy_step = 1
+    # Critics as verl runs them: the actor's E passes of M mini-batches
+    # (4 critic optimizer steps per batch, as the actor's), attention
+    # trained, value clip 0.5, whitened GAE advantages.
+    c.critic.steps_per_policy_step = c.optim.policy_epochs
+    c.critic.minibatches = 0  # follows optim.policy_minibatches
     c.critic.frozen_attention = False
+    c.critic.value_clip = 0.5
+    c.advantage.normalize = True
   if c.algorithm == 'vapo':
     c.advantage.alpha = 0.05  # VAPO's length-adaptive alpha
   if c.algorithm == 'ppo':

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -180,6 +181,9 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('advantage.running_mean_scope', RUNNING_MEAN_SCOPES)
 
   check.positive_int('critic.steps_per_policy_step')
+  critic_minibatches_ = check.non_negative_int('critic.minibatches')
+  if not (estimator and algorithms.ESTIMATORS[estimator].uses_critic):
+    critic_minibatches_ = None  # no critic: its split does not matter
   check.closed_interval('critic.lam', 0.0, 1.0)
   check.non_negative('critic.value_clip')
   check.non_negative_int('critic.pretrain_steps')
@@ -211,6 +215,7 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('kernels.implementation', kernels.IMPLEMENTATIONS)
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)
+  check.choice('model.logits_dtype', ('',) + DTYPES)
   check.choice('rollout.param_dtype', ('',) + DTYPES)
   check.choice('model.layer_loop', model_config.LAYER_LOOPS)
   check.non_negative_int('model.logits_chunk_size')
@@ -253,7 +258,13 @@ def validate(config: ml_collections.ConfigDict,
   for key in ('health_interval_s', 'health_timeout_s', 'push_timeout_s',
               'no_server_grace_s', 'max_restart_backoff_s'):
     check.positive(f'rollout.{key}')
-  check.non_negative('rollout.temperature')
+  temperature = check.get('rollout.temperature')
+  if temperature is not None and not (isinstance(temperature, (int, float))
+                                      and temperature > 0):
+    problems.append(
+        f'config.rollout.temperature={temperature} must be > 0: a greedy'
+        ' rollout has no sampling distribution mu for the importance ratio'
+        ' (greedy decoding is for evaluation: config.eval.temperature=0)')
   check.non_negative_int('rollout.top_k')
   top_p = check.get('rollout.top_p')
   if top_p is not None and not 0 < top_p <= 1:
@@ -281,6 +292,18 @@ def validate(config: ml_collections.ConfigDict,
         f'config.batch_size={batch} must split into'
         f' config.optim.policy_minibatches={minibatches} mini-batches of'
         f' config.optim.microbatches={microbatches} equal micro-batches')
+  if (batch and critic_minibatches_ and microbatches
+      and batch % (critic_minibatches_ * microbatches)):
+    problems.append(
+        f'config.batch_size={batch} must split into'
+        f' config.critic.minibatches={critic_minibatches_} mini-batches of'
+        f' config.optim.microbatches={microbatches} equal micro-batches')
+  minibatch_keys = 'config.optim.policy_minibatches'
+  if minibatches and critic_minibatches_ not in (None, 0, minibatches):
+    # Every split below must hold for the actor's and the critic's.
+    minibatches = math.lcm(minibatches, critic_minibatches_)
+    minibatch_keys = ('lcm(config.optim.policy_minibatches,'
+                      ' config.critic.minibatches)')
   mesh = {}
   try:
     mesh = sharding.mesh_shape(dict(config.mesh), num_devices)
@@ -299,9 +322,9 @@ def validate(config: ml_collections.ConfigDict,
       parts = minibatches * microbatches
       problems.append(
           f'config.batch_size={batch} must split into'
-          f' config.optim.policy_minibatches x config.optim.microbatches ='
-          f' {parts} parts of rows from each of the {shards} data-parallel'
-          f' shards (batch_size a multiple of {shards * parts})')
+          f' {minibatch_keys} x config.optim.microbatches = {parts} parts of'
+          f' rows from each of the {shards} data-parallel shards (batch_size'
+          f' a multiple of {shards * parts})')
 
   _check_packing(config, check, problems, mesh)
   if problems:
@@ -340,9 +363,25 @@ def packed_rows(config: ml_collections.ConfigDict,
     return config.batching.packed_rows
   if mesh is None:
     mesh = sharding.mesh_shape(dict(config.mesh), jax.device_count())
-  parts = (sharding.batch_parallelism(mesh) * config.optim.policy_minibatches
+  parts = (sharding.batch_parallelism(mesh) * _row_minibatches(config)
            * config.optim.microbatches)
   return default_packed_rows(config.batch_size, parts)
+
+
+def critic_minibatches(config: ml_collections.ConfigDict) -> int:
+  """M_c, the critic's mini-batches per pass: `critic.minibatches`, or (0)
+  the actor's `optim.policy_minibatches`."""
+  return (config.critic.get('minibatches', 1)
+          or config.optim.policy_minibatches)
+
+
+def _row_minibatches(config) -> int:
+  """The mini-batch count every batch's rows must split into: the actor's
+  and (with a critic) the critic's."""
+  actor = config.optim.policy_minibatches
+  if not algorithms.ESTIMATORS[config.advantage.estimator].uses_critic:
+    return actor
+  return math.lcm(actor, critic_minibatches(config))
 
 
 def default_packed_rows(batch_size: int, parts: int = 1) -> int:
@@ -382,13 +421,20 @@ def _check_packing(config, check: _Checker, problems: list[str],
                     f' config.batch_size={batch} (the trajectories of a'
                     ' batch)')
   if rows and mesh:
+    actor = check.get('optim.policy_minibatches') or 1
+    estimator = check.get('advantage.estimator')
+    critic = ((check.get('critic.minibatches') or actor)
+              if estimator in algorithms.ESTIMATORS
+              and algorithms.ESTIMATORS[estimator].uses_critic else actor)
     parts = (sharding.batch_parallelism(mesh)
-             * (check.get('optim.policy_minibatches') or 1)
+             * (math.lcm(actor, critic)
+                if isinstance(actor, int) and isinstance(critic, int) else 1)
              * (check.get('optim.microbatches') or 1))
     if rows % parts:
       problems.append(
           f'config.batching.packed_rows={rows} must split into'
-          ' config.optim.policy_minibatches x config.optim.microbatches'
+          ' config.optim.policy_minibatches (and config.critic.minibatches)'
+          ' x config.optim.microbatches'
           f' parts of rows from each data-parallel shard (a multiple of'
           f' {parts})')
 
@@ -578,7 +624,7 @@ def model_overrides(config: ml_collections.ConfigDict) -> dict:
   """The `ModelConfig` fields `config.model` sets (for `from_pretrained`)."""
   m = config.model
   return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-              layer_loop=m.layer_loop)
+              layer_loop=m.layer_loop, logits_dtype=m.get('logits_dtype', ''))
 
 
 def set_from_text(config: ml_collections.ConfigDict, key: str,

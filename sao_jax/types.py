@@ -91,6 +91,8 @@ class TrainBatch:
     input_mask_BxT: bool, True on real tokens.
     action_mask_BxT: bool, True on tokens the policy generated.
     behavior_logprobs_BxT: float32 mu_t on actions, 0 elsewhere.
+    versions_BxT: int32 policy version that sampled each action token, -1
+      elsewhere (token staleness = learner version - it).
     rewards_BxT: float32, the outcome reward on each segment's last action
       token and 0 elsewhere (what skip-observation GAE reads).
     positions_BxT: int32 RoPE positions, counted from 0 in each segment (0 on
@@ -108,6 +110,7 @@ class TrainBatch:
   input_mask_BxT: Any
   action_mask_BxT: Any
   behavior_logprobs_BxT: Any
+  versions_BxT: Any
   rewards_BxT: Any
   positions_BxT: Any
   segment_ids_BxT: Any
@@ -120,6 +123,7 @@ class TrainBatch:
 TRAIN_BATCH_DTYPES = {
     'tokens_BxT': np.int32, 'input_mask_BxT': np.bool_,
     'action_mask_BxT': np.bool_, 'behavior_logprobs_BxT': np.float32,
+    'versions_BxT': np.int32,
     'rewards_BxT': np.float32, 'positions_BxT': np.int32,
     'segment_ids_BxT': np.int32, 'reward_N': np.float32,
     'num_action_tokens_N': np.int32, 'slot_ids_N': np.int32,

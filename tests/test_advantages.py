@@ -261,9 +261,16 @@ def test_grpo_advantages_match_numpy():
   rewards[0] = 1.0  # a solved group: zero advantage, not NaN
   got = jax.jit(advantages.grpo_advantages)(rewards)
   mean = rewards.mean(1, keepdims=True)
-  want = (rewards - mean) / (rewards.std(1, keepdims=True) + 1e-6)
+  # verl's torch.std: Bessel's correction (ddof 1).
+  want = (rewards - mean) / (rewards.std(1, ddof=1, keepdims=True) + 1e-6)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got[0], 0.0)
+  # ddof matters: with G = 8 the population std is sqrt(7/8) of it.
+  population = advantages.grpo_advantages(rewards, ddof=0)
+  np.testing.assert_allclose(
+      population, (rewards - mean) / (rewards.std(1, keepdims=True) + 1e-6),
+      rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(population) - np.asarray(got)).max() > 0.05
   dr = advantages.grpo_advantages(rewards, std_normalize=False)
   np.testing.assert_allclose(dr, rewards - mean, atol=1e-6)
   np.testing.assert_array_equal(advantages.grpo_advantages(rewards[:, :1]), 0.0)
@@ -322,6 +329,20 @@ def test_broadcast_and_normalize():
   np.testing.assert_array_equal(adv, [[2, 2, 0], [0, -1, -1]])
   norm = advantages.normalize_advantages(adv, mask)
   on = np.array([2, 2, -1, -1.0])
-  want = (on - on.mean()) / (on.std() + 1e-6)
+  # verl's masked_whiten: unbiased variance, rsqrt(var + 1e-8).
+  want = (on - on.mean()) / np.sqrt(on.var(ddof=1) + 1e-8)
   np.testing.assert_allclose(np.asarray(norm)[mask], want, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(norm)[~mask], 0.0)
+  # Random values: the same formula, independent of the mask's layout.
+  rng = np.random.default_rng(5)
+  values = rng.normal(size=(3, 7)).astype(np.float32) * 3 + 1
+  mask = rng.random((3, 7)) < 0.6
+  got = np.asarray(advantages.normalize_advantages(values, mask))
+  on = values[mask].astype(np.float64)
+  np.testing.assert_allclose(
+      got[mask], (on - on.mean()) / np.sqrt(on.var(ddof=1) + 1e-8), rtol=1e-5)
+  # One action token: centred (0), not NaN.
+  one = np.zeros((1, 3), bool)
+  one[0, 1] = True
+  np.testing.assert_array_equal(
+      advantages.normalize_advantages(values[:1, :3], one), 0.0)

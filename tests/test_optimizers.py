@@ -64,7 +64,7 @@ def test_adamw_matches_numpy_with_mu_stored_in_its_dtype(mu_dtype):
   grads_SN = rng.normal(size=(4, 64)).astype(np.float32) * np.float32(
       [1.0, 1e-3, 3.0, 0.1])[:, None]
   cfg = _actor_cfg(mu_dtype)
-  tx = optimizers.make(cfg, total_steps=len(grads_SN))
+  tx = optimizers.make(cfg, total_batches=len(grads_SN))
   params = {'w': jnp.asarray(params_N)}
   state = tx.init(params)
   update = jax.jit(tx.update)  # as the learner runs it
@@ -88,14 +88,34 @@ def test_cosine_schedule_by_hand_after_a_linear_warmup():
   cfg = _actor_cfg('float32')
   cfg.learning_rate, cfg.warmup_steps = 2e-5, 3
   cfg.schedule, cfg.min_lr_ratio = 'cosine', 0.1
-  rate = optimizers.schedule(cfg, total_steps=23)  # 20 steps of decay
-  got = [float(rate(step)) for step in (0, 1, 3, 13, 23, 30)]
-  # Warm-up 0 -> 2e-5 over 3 steps; then 2e-5 (0.1 + 0.9 (1 + cos(pi t/20))/2).
-  want = [0.0, 2e-5 / 3, 2e-5, 2e-5 * (0.1 + 0.9 * 0.5), 2e-6, 2e-6]
+  rate = optimizers.schedule(cfg, total_batches=24)
+  got = [float(rate(batch)) for batch in (0, 1, 2, 3, 13, 23, 30)]
+  # Warm-up (b + 1) / 4 of the rate over batches 0-2 (above 0 from the
+  # first); then 2e-5 (0.1 + 0.9 (1 + cos(pi t / 20)) / 2) for t = b - 3,
+  # at the floor on the last batch (23).
+  want = [5e-6, 1e-5, 1.5e-5, 2e-5, 2e-5 * (0.1 + 0.9 * 0.5), 2e-6, 2e-6]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
   cfg.schedule = 'constant'
-  constant = optimizers.schedule(cfg, total_steps=23)
+  constant = optimizers.schedule(cfg, total_batches=24)
   assert float(constant(23)) == pytest.approx(2e-5)
+
+
+def test_every_optimizer_step_of_a_batch_takes_the_batch_rate():
+  # SGD-like check through AdamW's first step: with a constant gradient the
+  # update of step k is -rate(k) * sign (Adam's normalisation), so the
+  # parameter trajectory reads the rate of each optimizer step.
+  cfg = _actor_cfg('float32')
+  cfg.learning_rate, cfg.warmup_steps, cfg.weight_decay = 1.0, 2, 0.0
+  tx = optimizers.make(cfg, total_batches=5, steps_per_batch=4)
+  params = {'w': jnp.zeros(())}
+  state = tx.init(params)
+  rates = []
+  for _ in range(12):
+    updates, state = tx.update({'w': jnp.ones(())}, state, params)
+    rates.append(-float(updates['w']))
+  # Batches 0, 1, 2 at 1/3, 2/3, 1 of the rate, four optimizer steps each.
+  np.testing.assert_allclose(rates, [1 / 3] * 4 + [2 / 3] * 4 + [1.0] * 4,
+                             rtol=1e-4)  # f32 bias corrections
 
 
 def test_an_unknown_mu_dtype_is_a_config_error():

@@ -33,7 +33,7 @@ def write_log(workdir, steps, keys):
 ALL_KEYS = ('train/reward', 'eval/accuracy', 'policy/frac_below',
             'policy/frac_above', 'critic/explained_variance', 'policy/kl_k3',
             'policy/grad_norm', 'critic/grad_norm', 'rollout/staleness_mean',
-            'time/learner_idle_fraction')
+            'time/learner_idle_fraction', 'parity/frac_gt_0.1')
 
 
 def test_full_log_gives_a_grid_png(tmp_path):
@@ -41,7 +41,7 @@ def test_full_log_gives_a_grid_png(tmp_path):
   png = plots.plot_learning_curves(jsonl, tmp_path / 'out' / 'curves.png')
   assert png == str(tmp_path / 'out' / 'curves.png')
   width, height = png_size(png)
-  # 8 panels in 3 columns x 3 rows of 5 x 3.4 inches (+ title) at 100 dpi.
+  # 9 panels in 3 columns x 3 rows of 5 x 3.4 inches (+ title) at 100 dpi.
   assert (width, height) == (1500, 1080)
 
 

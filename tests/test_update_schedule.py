@@ -33,7 +33,7 @@ def schedule_config(algorithm, old_logprobs='recompute'):
 def grpo_advantages(batch, group):
   rewards = batch.reward_N.astype(np.float64).reshape(-1, group)
   adv = (rewards - rewards.mean(1, keepdims=True)) / (
-      rewards.std(1, keepdims=True) + 1e-6)
+      rewards.std(1, ddof=1, keepdims=True) + 1e-6)  # verl's torch.std
   return np.where(batch.action_mask_BxT, adv.reshape(-1)[:, None], 0.0)
 
 
@@ -82,7 +82,7 @@ def reference_update(learner, batch, mode):
   m = [np.zeros_like(p) for p in params]
   v = [np.zeros_like(p) for p in params]
   pl = config.policy_loss
-  losses = []
+  losses, tokens = [], []
   for update in range(EPOCHS * MINIBATCHES):
     perm = np.asarray(learner_lib.minibatch_permutation(
         config.seed, 0, update // MINIBATCHES, len(all_rows)))
@@ -95,6 +95,7 @@ def reference_update(learner, batch, mode):
                               adv_all[rows], mask, pl.eps_low, pl.eps_high,
                               pl.behavior_weight_cap)
     losses.append(loss)
+    tokens.append(mask.sum())
     (grads,) = vjp(np.asarray(dlogp, np.float32))
     grads = [np.asarray(g, np.float64) for g in grads]
     norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
@@ -108,7 +109,7 @@ def reference_update(learner, batch, mode):
       step = (m[i] / (1 - o.b1 ** t)) / (np.sqrt(v[i] / (1 - o.b2 ** t))
                                          + 1e-8)
       params[i] = params[i] - LR * step
-  return params, losses
+  return params, losses, tokens
 
 
 @pytest.mark.parametrize('algorithm,mode', [
@@ -119,15 +120,20 @@ def test_two_epochs_of_two_minibatches_match_numpy(algorithm, mode):
                            'recompute' if mode == 'dis' else mode)
   learner = helpers.make_learner(config, jax.devices()[:1])
   batch = helpers.fake_batch(0)
-  want_params, want_losses = reference_update(learner, batch, mode)
+  want_params, want_losses, tokens = reference_update(learner, batch, mode)
   learner.state, metrics = learner.train_step(learner.state,
                                               learner.device_batch(batch))
   metrics = jax.tree.map(np.asarray, metrics)
   assert metrics['policy/optimizer_steps'] == EPOCHS * MINIBATCHES
   np.testing.assert_allclose(metrics['policy/loss_first'], want_losses[0],
                              rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(metrics['policy/loss'], np.mean(want_losses),
+  # Step metrics are token-weighted means over the steps.
+  assert len(set(tokens)) > 1  # the weighting is really tested
+  np.testing.assert_allclose(metrics['policy/loss'],
+                             np.average(want_losses, weights=tokens),
                              rtol=1e-5, atol=1e-7)
+  # Token counts are per pass over the batch.
+  assert metrics['policy/num_tokens'] == batch.action_mask_BxT.sum()
   chex.assert_trees_all_close(jax.tree.leaves(learner.state.policy),
                               want_params, rtol=1e-5, atol=1e-5)
   # The policy moved between updates: the clip has something to act on.

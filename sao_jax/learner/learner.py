@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax import types
 from sao_jax.learner import optimizers
@@ -44,6 +45,7 @@ from sao_jax.models import sampling
 from sao_jax.models import transformer
 from sao_jax.rl import advantages
 from sao_jax.rl import algorithms
+from sao_jax.rl import logprob_parity
 
 _F32 = jnp.float32
 class Learner:
@@ -71,12 +73,19 @@ class Learner:
                                             config.rollout.top_k,
                                             config.rollout.top_p)
     self.logits_chunk = config.model.logits_chunk_size
-    self.actor_tx = optimizers.make(config.optim.actor,
-                                    actor_optimizer_steps(config))
-    # The critic's optimizer restarts after value pretraining: RL's updates.
+    self.actor_tx = optimizers.make(
+        config.optim.actor, config.total_steps,
+        config.optim.policy_epochs * config.optim.policy_minibatches)
+    # The critic's optimizer restarts after value pretraining: RL's updates
+    # (K passes of M_c mini-batches per batch) and pretraining's (one
+    # full-batch update per batch) share its state's structure.
+    self.critic_passes = config.critic.steps_per_policy_step
+    self.critic_minibatches = config_lib.critic_minibatches(config)
     self.critic_tx = optimizers.make(
-        config.optim.critic,
-        config.total_steps * config.critic.steps_per_policy_step)
+        config.optim.critic, config.total_steps,
+        self.critic_passes * self.critic_minibatches)
+    self.pretrain_critic_tx = optimizers.make(
+        config.optim.critic, max(config.critic.pretrain_steps, 1))
     self._policy_def, policy_params = nnx.split(policy, nnx.Param)
     critic_params = frozen_params = None
     if self.uses_critic:
@@ -255,78 +264,138 @@ class Learner:
 
   # -- steps -------------------------------------------------------------------
 
-  def _critic_updates(self, state: types.LearnerState, batch, steps: int):
-    """`steps` critic updates towards fixed returns.
+  def _critic_updates(self, state: types.LearnerState, batch, passes: int,
+                      minibatches: int, tx, learning_rate):
+    """Critic updates towards fixed returns: `passes` over the batch, each in
+    `minibatches` shuffled mini-batches, one optimizer step (of `tx`) each.
+
+    SAO: K full-batch passes (`critic.steps_per_policy_step`, M_c = 1). The
+    PPO-family presets follow the actor's E x M, as verl's critic does.
 
     Returns:
       `(state, metrics, values_before_BxT)`: the critic's values of the batch
       before the updates. With Monte-Carlo returns (SAO's lambda_critic = 1,
-      gamma = 1, no value clip) they come from the first update's own forward
-      pass, so the pre-update values cost no pass of their own; otherwise
-      they are computed first, as the GAE bootstrap of the returns.
+      gamma = 1, no value clip) and full-batch updates they come from the
+      first update's own forward pass, so the pre-update values cost no pass
+      of their own; otherwise they are computed first, as the GAE bootstrap
+      of the returns and the value clip's anchor. `metrics`: the fit of
+      those pre-update values (`critic/loss`, `explained_variance`,
+      `r_squared`: what the advantages are computed from, before the
+      critic has seen this batch), the last update's own forward pass under
+      `critic/last_update/`, and token-weighted means over the updates
+      (`grad_norm`, `value_clip_frac`).
     """
     cfg = self.config
-    monte_carlo = (cfg.critic.lam == 1.0 and cfg.advantage.gamma == 1.0
-                   and not cfg.critic.value_clip)
+    monte_carlo = (minibatches == 1 and cfg.critic.lam == 1.0
+                   and cfg.advantage.gamma == 1.0 and not cfg.critic.value_clip)
+    zeros_BxT = jnp.zeros(batch.rewards_BxT.shape, _F32)
     if monte_carlo:
       # The returns do not depend on V; the loss never reads old values.
-      values_for_returns = jnp.zeros(batch.rewards_BxT.shape, _F32)
+      values_for_returns = zeros_BxT
     else:
       values_for_returns = algorithms.critic_values(self.critic_model(state),
                                                     batch)
     _, returns = algorithms.gae(cfg, batch, values_for_returns,
                                 cfg.critic.lam, self.mesh)
     returns = jax.lax.stop_gradient(returns)
-    totals = algorithms.batch_totals(algorithms.gae_mask(cfg, batch),
-                                     batch.segment_ids_BxT)
 
-    def loss_fn(trainable, micro):
+    def loss_fn(trainable, micro, totals):
       model = nnx.merge(self._critic_def, trainable, state.critic_frozen)
       values = algorithms.critic_values(model, micro['batch'])
       loss, metrics = algorithms.value_loss(
           cfg, values, micro['returns_BxT'], micro['batch'],
           micro['values_before_BxT'])
+      mask = algorithms.gae_mask(cfg, micro['batch'])
       weight = algorithms.microbatch_weight(
-          algorithms.gae_mask(cfg, micro['batch']),
-          micro['batch'].segment_ids_BxT, totals, cfg.policy_loss.aggregation)
+          mask, micro['batch'].segment_ids_BxT, totals,
+          cfg.policy_loss.aggregation)
       return loss * weight, (dict(metrics, loss=loss),
-                             jax.lax.stop_gradient(values))
+                             jax.lax.stop_gradient(values),
+                             _token_share(mask, totals))
 
     # The batch's rows and the constants of its updates, split together.
     data = {'batch': types.row_fields(batch), 'returns_BxT': returns,
             'values_before_BxT': values_for_returns}
 
-    def one_update(i, carry):
-      params, opt_state, _, first_values = carry
-      grads, (metrics, values) = _accumulate(
-          loss_fn, params, data, cfg.optim.microbatches,
-          self._param_shardings['critic'])
-      updates, opt_state = self.critic_tx.update(grads, opt_state, params)
+    def one_update(carry, update):
+      params, opt_state, first_values = carry
+      micro_data = self._minibatch(data, state.step, update, minibatches,
+                                   stream=1)
+      totals = algorithms.batch_totals(
+          algorithms.gae_mask(cfg, micro_data['batch']),
+          micro_data['batch'].segment_ids_BxT)
+      grads, (metrics, values, _) = _accumulate(
+          lambda p, m: loss_fn(p, m, totals), params, micro_data,
+          cfg.optim.microbatches, self._param_shardings['critic'])
+      updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
-      # Update 0's forward pass saw the critic before any update. A select in
-      # one loop body, not update 0 peeled off: that would compile the whole
-      # update twice.
-      first_values = jnp.where(i == 0, values, first_values)
-      return params, opt_state, metrics, first_values
+      if monte_carlo:
+        # Update 0's forward pass saw the critic before any update. A select
+        # in the loop body, not update 0 peeled off: that would compile the
+        # whole update twice.
+        first_values = jnp.where(update == 0, values, first_values)
+      return (params, opt_state, first_values), dict(
+          metrics, grad_norm=optax.tree.norm(grads),
+          _tokens=totals['tokens'])
 
-    zeros_BxT = jnp.zeros(batch.rewards_BxT.shape, _F32)
-    metric_shapes = jax.eval_shape(
-        one_update, 0, (state.critic, state.critic_opt, None, zeros_BxT))[2]
-    init_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                metric_shapes)
-    params, opt_state, metrics, first_values = jax.lax.fori_loop(
-        0, steps, one_update,
-        (state.critic, state.critic_opt, init_metrics, zeros_BxT))
+    steps = passes * minibatches
+    (params, opt_state, first_values), per_step = jax.lax.scan(
+        one_update, (state.critic, state.critic_opt,
+                     zeros_BxT if monte_carlo else None), jnp.arange(steps))
     state = state._replace(critic=params, critic_opt=opt_state,
                            critic_step=state.critic_step + steps)
+    values_before = first_values if monte_carlo else values_for_returns
+    pre_loss, pre = algorithms.value_loss(cfg, values_before, returns, batch,
+                                          values_before)
+    last = {k: v[-1] for k, v in per_step.items()}
+    over_steps = _reduce_metrics(per_step, per_step.pop('_tokens'))
+    metrics = {
+        'loss': pre_loss, 'num_tokens': pre['num_tokens'],
+        **{k: pre[k] for k in ('value_mean', 'return_mean',
+                               'explained_variance', 'r_squared')},
+        **{f'last_update/{k}': last[k] for k in (
+            'loss', 'value_mean', 'explained_variance', 'r_squared')},
+        'grad_norm': over_steps['grad_norm'],
+        'value_clip_frac': over_steps['value_clip_frac'],
+        'optimizer_steps': jnp.asarray(steps, _F32),
+        'learning_rate': learning_rate,
+    }
     metrics = {f'critic/{k}': v for k, v in metrics.items()}
     metrics['critic/nonfinite_skips'] = optimizers.nonfinite_count(opt_state)
-    return state, metrics, first_values if monte_carlo else values_for_returns
+    return state, metrics, values_before
 
   def _critic_only_step(self, state: types.LearnerState, batch):
-    """Value pretraining: one critic update, the policy untouched."""
-    return self._critic_updates(state, batch, 1)[:2]
+    """Value pretraining: one full-batch critic update, the policy untouched.
+
+    Its own schedule over `critic.pretrain_steps` batches (the critic's
+    optimizer restarts for RL afterwards); `critic_step` counts its batches.
+    """
+    rate = optimizers.schedule(self.config.optim.critic,
+                               max(self.config.critic.pretrain_steps, 1))
+    return self._critic_updates(state, batch, 1, 1, self.pretrain_critic_tx,
+                                rate(state.critic_step))[:2]
+
+  def _minibatch(self, data, version, update, minibatches: int,
+                 stream: int = 0):
+    """Mini-batch `update % M` of pass `update // M` over `data`'s rows.
+
+    Rows `perm_e[m::M]` of the batch, `perm_e` from `minibatch_permutation`
+    (no shuffle when M = 1); strided so that, like micro-batches, each takes
+    the same number of rows from every batch shard. `stream` keeps the
+    critic's shuffles apart from the actor's.
+    """
+    if minibatches == 1:
+      return data
+    num_rows = data['batch'].action_mask_BxT.shape[0]
+    perm = minibatch_permutation(self.config.seed, version,
+                                 update // minibatches, num_rows, stream)
+    rows = perm.reshape(num_rows // minibatches, minibatches)[
+        :, update % minibatches]
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            jnp.take(x, rows, axis=0),
+            self.batch_sharding if x.ndim == 2 else self.row_sharding),
+        data)
 
   def _train_step(self, state: types.LearnerState, batch):
     cfg = self.config
@@ -334,7 +403,9 @@ class Learner:
     values = None  # the critic's, for an estimator that reads them
     if self.uses_critic:
       state, critic_metrics, values = self._critic_updates(
-          state, batch, cfg.critic.steps_per_policy_step)
+          state, batch, self.critic_passes, self.critic_minibatches,
+          self.critic_tx,
+          optimizers.schedule(cfg.optim.critic, cfg.total_steps)(state.step))
       metrics.update(critic_metrics)
       # Pre-update values by default (verl's order): after K updates on this
       # very batch the baseline has regressed onto each trajectory's own
@@ -362,8 +433,22 @@ class Learner:
       data['ref_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
           nnx.merge(self._policy_def, state.ref_policy), batch,
           self.sampling, chunk_size=self.logits_chunk)[0])
-    policy, actor_opt, policy_metrics = self._policy_updates(state, data)
+    policy, actor_opt, policy_metrics, old_logp = self._policy_updates(
+        state, data)
     metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
+    # log pi_old against mu, token by token: the proximal pass where the
+    # loss made one, the single step's own forward pass, or (several steps
+    # against mu: `behavior` mode, DIS with M > 1) a pass of its own.
+    if 'prox_logp_BxT' in data:
+      old_logp = data['prox_logp_BxT']
+    elif old_logp is None:
+      old_logp = jax.lax.stop_gradient(algorithms.policy_logprobs(
+          self.policy_model(state), batch, self.sampling,
+          chunk_size=self.logits_chunk)[0])
+    parity = logprob_parity.parity_metrics(
+        old_logp, batch.behavior_logprobs_BxT, batch.action_mask_BxT,
+        state.step - batch.versions_BxT, cfg.rollout.max_staleness)
+    metrics.update({f'parity/{k}': v for k, v in parity.items()})
     metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
     state = state._replace(policy=policy, actor_opt=actor_opt,
                            running_mean=running_mean, step=state.step + 1)
@@ -372,21 +457,23 @@ class Learner:
   def _policy_updates(self, state: types.LearnerState, data):
     """E passes of M shuffled mini-batches, one optimizer step each (SAO §2).
 
-    Mini-batch m of pass e holds rows `perm_e[m::M]` of the batch, where
-    `perm_e` is `minibatch_permutation(seed, version, e, B)` (no shuffle when
-    M = 1); strided so that, like micro-batches, each takes the same number of
-    rows from every batch shard. Every step's loss is its mini-batch's own
-    mean (as verl and OpenRLHF do); micro-batches accumulate inside a step.
+    Mini-batches are `_minibatch`'s. Every step's loss is its mini-batch's
+    own mean (as verl and OpenRLHF do); micro-batches accumulate inside a
+    step.
 
     Returns:
-      `(policy, actor_opt, metrics)`: metrics are means over the steps, except
-      `ratio_min` / `ratio_max` (extremes over the steps), `loss_first` (the
-      first step's loss, before the policy moved) and `optimizer_steps`.
+      `(policy, actor_opt, metrics, old_logp_BxT)`: `old_logp_BxT` is the
+      one step's log pi_old when E x M = 1, else None; metrics are
+      token-weighted means over
+      the steps, except `*_min` / `*_max` (extremes over the steps), token
+      counts (per pass over the batch), `loss_first` (the first step's loss,
+      before the policy moved), `optimizer_steps` and `learning_rate` (the
+      batch's: schedules count batches).
     """
     cfg = self.config
     epochs, minibatches = cfg.optim.policy_epochs, cfg.optim.policy_minibatches
+    steps = epochs * minibatches
     with_entropy = bool(cfg.policy_loss.entropy_coef)
-    num_rows = data['batch'].action_mask_BxT.shape[0]
 
     def loss_fn(params, micro, totals):
       model = nnx.merge(self._policy_def, params)
@@ -399,77 +486,108 @@ class Learner:
       weight = algorithms.microbatch_weight(
           batch.action_mask_BxT, batch.segment_ids_BxT, totals,
           cfg.policy_loss.aggregation)
-      return loss * weight, (dict(loss_metrics, loss=loss), None)
-
-    def minibatch(update):
-      if minibatches == 1:
-        return data
-      perm = minibatch_permutation(cfg.seed, state.step, update // minibatches,
-                                   num_rows)
-      rows = perm.reshape(num_rows // minibatches, minibatches)[
-          :, update % minibatches]
-      return jax.tree.map(
-          lambda x: jax.lax.with_sharding_constraint(
-              jnp.take(x, rows, axis=0),
-              self.batch_sharding if x.ndim == 2 else self.row_sharding),
-          data)
+      # The log-probs come back (rows): with one step per batch they are
+      # log pi_old, the parity metrics' left side, at no extra pass.
+      return loss * weight, (dict(loss_metrics, loss=loss),
+                             jax.lax.stop_gradient(logp) if steps == 1
+                             else None,
+                             _token_share(batch.action_mask_BxT, totals))
 
     def one_update(carry, update):
       params, opt_state = carry
-      micro_data = minibatch(update)
+      micro_data = self._minibatch(data, state.step, update, minibatches)
       totals = algorithms.batch_totals(micro_data['batch'].action_mask_BxT,
                                        micro_data['batch'].segment_ids_BxT)
-      grads, (step_metrics, _) = _accumulate(
+      grads, (step_metrics, logp, _) = _accumulate(
           lambda p, m: loss_fn(p, m, totals), params, micro_data,
           cfg.optim.microbatches, self._param_shardings['policy'])
       updates, opt_state = self.actor_tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      return (params, opt_state), dict(step_metrics,
-                                       grad_norm=optax.tree.norm(grads))
+      return (params, opt_state), (dict(step_metrics,
+                                        grad_norm=optax.tree.norm(grads),
+                                        _tokens=totals['tokens']), logp)
 
-    steps = epochs * minibatches
-    (policy, actor_opt), per_step = jax.lax.scan(
+    (policy, actor_opt), (per_step, logp_SxBxT) = jax.lax.scan(
         one_update, (state.policy, state.actor_opt), jnp.arange(steps))
-    metrics = {}
-    for name, values in per_step.items():
-      reduce = {'ratio_min': jnp.min, 'ratio_max': jnp.max}.get(name, jnp.mean)
-      metrics[name] = reduce(values)
-    metrics['loss_first'] = per_step['loss'][0]
+    loss_first = per_step['loss'][0]
+    metrics = _reduce_metrics(per_step, per_step.pop('_tokens'))
+    # Counts add up over the steps: report them per pass over the batch.
+    for name in _COUNT_METRICS & set(metrics):
+      metrics[name] = metrics[name] / epochs
+    metrics['loss_first'] = loss_first
     metrics['optimizer_steps'] = jnp.asarray(steps, _F32)
-    # Warm-up counts optimizer steps: the rate of the batch's last step.
     metrics['learning_rate'] = optimizers.schedule(
-        cfg.optim.actor, actor_optimizer_steps(cfg))(
-        (state.step + 1) * steps - 1)
-    return policy, actor_opt, metrics
+        cfg.optim.actor, cfg.total_steps)(state.step)
+    return policy, actor_opt, metrics, (None if logp_SxBxT is None
+                                        else logp_SxBxT[0])
 
 
-def actor_optimizer_steps(config) -> int:
-  """The actor's optimizer steps in a whole run: E x M per policy step."""
-  return (config.total_steps * config.optim.policy_epochs
-          * config.optim.policy_minibatches)
-
-
-def minibatch_permutation(seed: int, version, epoch, num_rows: int):
-  """The row order of one pass over a batch: fixed by seed, version, pass."""
+def minibatch_permutation(seed: int, version, epoch, num_rows: int,
+                          stream: int = 0):
+  """The row order of one pass over a batch: fixed by seed, version, pass
+  (and `stream`: 0 the actor's, 1 the critic's)."""
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), version),
                            epoch)
+  if stream:
+    key = jax.random.fold_in(key, stream)
   return jax.random.permutation(key, num_rows)
 
 
-def _accumulate(loss_fn, params, data, microbatches: int, shardings):
-  """Sum of gradients (and micro-batch-weighted metrics) over micro-batches.
+# Metrics that count tokens: summed over micro-batches and steps.
+_COUNT_METRICS = frozenset({'num_tokens', 'nonfinite_tokens'})
 
-  `loss_fn(params, micro) -> (weighted_loss, (metrics, rows))` returns each
-  micro-batch's share of the full-batch loss, so the sum is the full-batch
-  gradient; token-count metrics add up and ratios are averaged by share.
-  `rows` (a pytree of per-row arrays, or None) is what the forward pass
-  computed for the micro-batch's rows; it comes back in the batch's row order.
-  Gradients are pinned to `shardings` (the parameters' FSDP layout): left to
-  propagation, a loop-carried sum can come out replicated, and then every
-  device holds a full copy of the model's gradients.
+
+def _token_share(mask_BxT, totals):
+  """A micro-batch's share of its mini-batch's loss tokens (metric weight)."""
+  return jnp.sum(mask_BxT).astype(_F32) / jnp.maximum(totals['tokens'], 1.0)
+
+
+def _reduce_metrics(metrics_S, weights_S):
+  """One value per metric from `[S]` stacked ones (micro-batches or steps).
+
+  `*_min` / `*_max`: the extreme over the parts that had tokens; counts
+  (`_COUNT_METRICS`): the sum; every other metric: the mean weighted by
+  `weights_S` (the parts' tokens), so a micro-batch of few tokens counts for
+  few, as it does in the full-batch loss.
+  """
+  has_tokens_S = weights_S > 0
+  total = jnp.maximum(jnp.sum(weights_S), 1e-30)
+  out = {}
+  for name, values_S in metrics_S.items():
+    if name.endswith('_min'):
+      out[name] = jnp.min(jnp.where(has_tokens_S, values_S, jnp.inf))
+    elif name.endswith('_max'):
+      out[name] = jnp.max(jnp.where(has_tokens_S, values_S, -jnp.inf))
+    elif name in _COUNT_METRICS:
+      out[name] = jnp.sum(values_S)
+    else:
+      # where(): a part without tokens may report NaN (explained variance).
+      out[name] = jnp.sum(jnp.where(has_tokens_S, values_S * weights_S,
+                                    0.0)) / total
+  if metrics_S:
+    # No part had tokens: the extremes fall back to the parts' own values.
+    any_tokens = jnp.any(has_tokens_S)
+    for name, values_S in metrics_S.items():
+      if name.endswith(('_min', '_max')):
+        out[name] = jnp.where(any_tokens, out[name], values_S[0])
+  return out
+
+
+def _accumulate(loss_fn, params, data, microbatches: int, shardings):
+  """Sum of gradients (and token-weighted metrics) over micro-batches.
+
+  `loss_fn(params, micro) -> (weighted_loss, (metrics, rows, share))` returns
+  each micro-batch's share of the full-batch loss, so the sum is the
+  full-batch gradient; its metrics are combined by `_reduce_metrics` with
+  `share` (its share of the tokens) as weight. `rows` (a pytree of per-row
+  arrays, or None) is what the forward pass computed for the micro-batch's
+  rows; it comes back in the batch's row order. Gradients are pinned to
+  `shardings` (the parameters' FSDP layout): left to propagation, a
+  loop-carried sum can come out replicated, and then every device holds a
+  full copy of the model's gradients.
 
   Returns:
-    `(grads, (metrics, rows))`.
+    `(grads, (metrics, rows, share))`.
   """
   pin = lambda tree: jax.lax.with_sharding_constraint(tree, shardings)
   grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -484,23 +602,17 @@ def _accumulate(loss_fn, params, data, microbatches: int, shardings):
           x.reshape((x.shape[0] // microbatches, microbatches)
                     + x.shape[1:]), 0, 1), data)
 
-  def body(carry, micro):
-    grads, (metrics, rows) = grad_fn(params, micro)
-    summed = pin(jax.tree.map(jnp.add, carry[0], pin(grads)))
-    return (summed, jax.tree.map(jnp.add, carry[1], metrics)), rows
+  def body(summed, micro):
+    grads, aux = grad_fn(params, micro)
+    return pin(jax.tree.map(jnp.add, summed, pin(grads))), aux
 
   zeros = pin(jax.tree.map(jnp.zeros_like, params))
-  first = jax.tree.map(lambda x: x[0], split)
-  metric_zeros = jax.tree.map(
-      lambda s: jnp.zeros(s.shape, s.dtype),
-      jax.eval_shape(lambda: grad_fn(params, first)[1][0]))
-  (grads, metrics), rows_M = jax.lax.scan(body, (zeros, metric_zeros), split)
-  # Metrics of each micro-batch are its own means: report their average.
-  metrics = jax.tree.map(lambda m: m / microbatches, metrics)
+  grads, (metrics_M, rows_M, share_M) = jax.lax.scan(body, zeros, split)
+  metrics = _reduce_metrics(metrics_M, share_M)
   # Undo the strided split: [M, B/M, ...] -> [B, ...].
   rows = jax.tree.map(
       lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), rows_M)
-  return grads, (metrics, rows)
+  return grads, (metrics, rows, jnp.sum(share_M))
 
 
 def _global_array(local, target_sharding):

@@ -6,6 +6,11 @@ first moment in `mu_dtype` (bfloat16 halves it, as MaxText and big_vision
 offer), the whole chain inside `optax.apply_if_finite`: an update whose
 gradient holds a NaN or inf is skipped (parameters untouched) and counted,
 never applied.
+
+Schedules count policy steps (batches), not optimizer steps: every optimizer
+step of one batch (E x M for the actor, K x M_c for the critic) takes that
+batch's rate, so presets with M = 4 warm up over as many batches as SAO's
+M = 1, and the first batch already trains (its rate is above 0).
 """
 
 from __future__ import annotations
@@ -20,36 +25,52 @@ from sao_jax import config_lib
 _MAX_NONFINITE = 2**31 - 1
 
 
-# The rate after the warm-up, by `optim.<role>.schedule`, over `steps`.
+# The rate after the warm-up, by `optim.<role>.schedule`, over `batches`.
 _AFTER_WARMUP = {
-    'constant': lambda cfg, steps: optax.constant_schedule(cfg.learning_rate),
-    # verl's and OpenRLHF's cosine with a floor (min_lr_ratio).
-    'cosine': lambda cfg, steps: optax.cosine_decay_schedule(
-        cfg.learning_rate, max(steps, 1), alpha=cfg.min_lr_ratio),
+    'constant': lambda cfg, batches: optax.constant_schedule(cfg.learning_rate),
+    # verl's and OpenRLHF's cosine with a floor (min_lr_ratio), reached at
+    # the run's last batch.
+    'cosine': lambda cfg, batches: optax.cosine_decay_schedule(
+        cfg.learning_rate, max(batches - 1, 1), alpha=cfg.min_lr_ratio),
 }
 assert set(_AFTER_WARMUP) == set(config_lib.LR_SCHEDULES)
 
 
-def schedule(cfg, total_steps: int) -> optax.Schedule:
-  """Linear warm-up over `warmup_steps`, then `learning_rate`: constant, or
-  (`schedule = 'cosine'`) a cosine decay to `min_lr_ratio` of it at
-  `total_steps` optimizer steps.
+def schedule(cfg, total_batches: int) -> optax.Schedule:
+  """The rate of batch `b` (0-based) of a run of `total_batches`.
+
+  Warm-up: `learning_rate * (b + 1) / (warmup_steps + 1)` for the first
+  `warmup_steps` batches (above 0 from the first), then `learning_rate`:
+  constant, or (`schedule = 'cosine'`) a cosine decay that reaches
+  `min_lr_ratio` of it at the last batch.
   """
-  after = _AFTER_WARMUP[cfg.schedule](cfg, total_steps - cfg.warmup_steps)
-  if cfg.warmup_steps == 0:
+  warmup = cfg.warmup_steps
+  after = _AFTER_WARMUP[cfg.schedule](cfg, total_batches - warmup)
+  if warmup == 0:
     return after
   return optax.join_schedules(
-      [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
-       after], boundaries=[cfg.warmup_steps])
+      [optax.linear_schedule(cfg.learning_rate / (warmup + 1),
+                             cfg.learning_rate, warmup),
+       after], boundaries=[warmup])
 
 
-def make(cfg, total_steps: int) -> optax.GradientTransformation:
-  """The optimiser of one role's config section; `total_steps` optimizer
-  steps end its schedule."""
+def make(cfg, total_batches: int,
+         steps_per_batch: int = 1) -> optax.GradientTransformation:
+  """The optimiser of one role's config section.
+
+  Args:
+    cfg: `config.optim.<role>`.
+    total_batches: the batches that end its schedule.
+    steps_per_batch: optimizer steps per batch; all of a batch's steps take
+      its rate (a skipped non-finite step does not advance the count).
+  """
+  by_batch = schedule(cfg, total_batches)
+  rate = (by_batch if steps_per_batch == 1 else
+          lambda count: by_batch(count // steps_per_batch))
   return optax.apply_if_finite(
       optax.chain(
           optax.clip_by_global_norm(cfg.grad_clip_norm),
-          optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
+          optax.adamw(rate, b1=cfg.b1, b2=cfg.b2,
                       mu_dtype=jnp.dtype(cfg.mu_dtype),
                       weight_decay=cfg.weight_decay)),
       max_consecutive_errors=_MAX_NONFINITE)

@@ -44,6 +44,9 @@ _PANELS = (
     _Panel('DIS band: fraction of tokens outside',
            ('policy/frac_below', 'policy/frac_above')),
     _Panel('Critic explained variance', ('critic/explained_variance',)),
+    # Train/inference mismatch on the tokens of the learner's own version.
+    _Panel('Log-prob parity: share of tokens off by > e',
+           ('parity/frac_gt_0.01', 'parity/frac_gt_0.1', 'parity/frac_gt_1')),
     _Panel('KL to behaviour policy (k3)', ('policy/kl_k3',)),
     # Grad norms span decades, and a spike must not flatten the rest.
     _Panel('Gradient norm', ('policy/grad_norm', 'critic/grad_norm'),

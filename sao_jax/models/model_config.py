@@ -54,6 +54,10 @@ class ModelConfig:
     bos_token_id, eos_token_id: kept for the exported config.json.
     remat: recompute each layer's activations in the backward pass (saves
       memory in training; no effect on values).
+    logits_dtype: the LM head's operand dtype, '' for `dtype`: 'float32'
+      under bfloat16 compute runs the head's matmul (and the log-softmax,
+      always float32) on float32 operands, the layer where rounding moves
+      log-probs most (the vocabulary-wide logsumexp).
   """
   model_type: str
   vocab_size: int
@@ -75,6 +79,7 @@ class ModelConfig:
   eos_token_id: int | None = None
   remat: bool = False
   layer_loop: str = 'auto'
+  logits_dtype: str = ''
 
   def __post_init__(self):
     if self.layer_loop not in LAYER_LOOPS:
@@ -88,6 +93,9 @@ class ModelConfig:
                        f' num_kv_heads={self.num_kv_heads}')
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
+    if self.logits_dtype and self.logits_dtype not in DTYPES:
+      raise ValueError(f'logits_dtype={self.logits_dtype!r} is not one of'
+                       f" {sorted(DTYPES)} (or '')")
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f'{name}={getattr(self, name)!r} is not one of'
@@ -96,6 +104,11 @@ class ModelConfig:
   @property
   def compute_dtype(self):
     return DTYPES[self.dtype]
+
+  @property
+  def head_dtype(self):
+    """The LM head's operand dtype (`logits_dtype`, or the compute dtype)."""
+    return DTYPES[self.logits_dtype] if self.logits_dtype else self.compute_dtype
 
   @property
   def params_dtype(self):

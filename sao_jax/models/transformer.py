@@ -323,8 +323,9 @@ class CausalLM(nnx.Module):
     return hidden
 
   def logits(self, hidden_BxTxd):
-    """LM head on final hidden states, float32 logits."""
-    dtype = self.config.compute_dtype
+    """LM head on final hidden states, float32 logits (operands in
+    `ModelConfig.head_dtype`)."""
+    dtype = self.config.head_dtype
     if self.lm_head is None:
       kernel = self.decoder.embed[...].astype(dtype).T
     else:

@@ -91,17 +91,19 @@ def length_adaptive_lambda(num_action_tokens, alpha):
   return jnp.where(length_B > 0, lam_B, 0.0)
 
 
-def grpo_advantages(rewards, std_normalize=True, eps=1e-6):
+def grpo_advantages(rewards, std_normalize=True, eps=1e-6, ddof=1):
   """Group-relative advantages of GRPO (or Dr.GRPO without the std).
 
   `A = (r - mean_g r) / (std_g r + eps)`, or `A = r - mean_g r` when
-  `std_normalize` is False (Dr.GRPO). The std is the population std (ddof 0), so a
-  group of one sample gets advantage 0 rather than NaN.
+  `std_normalize` is False (Dr.GRPO). The std has Bessel's correction
+  (`ddof = 1`) as verl computes it (`torch.std`); a group of one sample has
+  no spread and gets advantage 0 rather than NaN (verl: mean 0, std 1).
 
   Args:
     rewards: float `[P, G]`: P prompts with G samples each.
     std_normalize: divide by the group std (GRPO) or not (Dr.GRPO).
     eps: added to the std.
+    ddof: delta degrees of freedom of the std (0: the population std).
 
   Returns:
     float32 `[P, G]` advantages, one per trajectory.
@@ -115,7 +117,9 @@ def grpo_advantages(rewards, std_normalize=True, eps=1e-6):
   centred_PxG = rewards_PxG - jnp.mean(rewards_PxG, axis=1, keepdims=True)
   if not std_normalize:
     return centred_PxG
-  std_Px1 = jnp.std(rewards_PxG, axis=1, keepdims=True)
+  if rewards_PxG.shape[1] <= ddof:
+    return jnp.zeros_like(centred_PxG)  # the centred rewards are all 0
+  std_Px1 = jnp.std(rewards_PxG, axis=1, keepdims=True, ddof=ddof)
   return centred_PxG / (std_Px1 + eps)
 
 
@@ -246,11 +250,13 @@ def broadcast_to_actions(advantages, action_mask, segment_ids=None):
   return jnp.where(mask_BxT & (ids_BxT > 0), adv_BxT, 0.0)
 
 
-def normalize_advantages(advantages, action_mask, eps=1e-6):
+def normalize_advantages(advantages, action_mask, eps=1e-8):
   """Whitens advantages over the batch's action tokens (off by default in SAO).
 
-  Returns `(A - mean) / (std + eps)` on action tokens and 0 elsewhere, mean and
-  std taken over all action tokens of the batch.
+  `(A - mean) / sqrt(var + eps)` on action tokens and 0 elsewhere, mean and
+  variance over all action tokens of the batch, the variance with Bessel's
+  correction: verl's `masked_whiten` (PPO's GAE advantages). A batch of one
+  action token is only centred (verl raises).
   """
   where = 'normalize_advantages'
   array_checks.require_rank(where, 'advantages', advantages, '[B, T]')
@@ -258,7 +264,9 @@ def normalize_advantages(advantages, action_mask, eps=1e-6):
                              jnp.shape(advantages), '[B, T]')
   mask_BxT = jnp.asarray(action_mask).astype(bool)
   adv_BxT = jnp.where(mask_BxT, jnp.asarray(advantages, _F32), 0.0)
-  count = jnp.maximum(jnp.sum(mask_BxT), 1)
-  mean = jnp.sum(adv_BxT) / count
-  var = jnp.sum(jnp.where(mask_BxT, (adv_BxT - mean) ** 2, 0.0)) / count
-  return jnp.where(mask_BxT, (adv_BxT - mean) / (jnp.sqrt(var) + eps), 0.0)
+  count = jnp.sum(mask_BxT).astype(_F32)
+  mean = jnp.sum(adv_BxT) / jnp.maximum(count, 1.0)
+  sq_dev = jnp.sum(jnp.where(mask_BxT, (adv_BxT - mean) ** 2, 0.0))
+  var = jnp.where(count > 1, sq_dev / jnp.maximum(count - 1.0, 1.0), 0.0)
+  scale = jnp.where(count > 1, jax.lax.rsqrt(var + eps), 1.0)
+  return jnp.where(mask_BxT, (adv_BxT - mean) * scale, 0.0)

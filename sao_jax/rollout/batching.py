@@ -96,6 +96,7 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
   input_mask_BxT = np.zeros((rows, max_length), bool)
   action_mask_BxT = np.zeros((rows, max_length), bool)
   logprobs_BxT = np.zeros((rows, max_length), np.float32)
+  versions_BxT = np.full((rows, max_length), types.NO_VERSION, np.int32)
   rewards_BxT = np.zeros((rows, max_length), np.float32)
   positions_BxT = np.zeros((rows, max_length), np.int32)
   segment_ids_BxT = np.zeros((rows, max_length), np.int32)
@@ -110,6 +111,8 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
       action_mask_BxT[row, start:end] = mask_L
       logprobs_BxT[row, start:end] = np.where(mask_L, traj.behavior_logprobs,
                                               0.0)
+      versions_BxT[row, start:end] = np.where(mask_L, traj.versions,
+                                              types.NO_VERSION)
       rewards_BxT[row, start + np.flatnonzero(mask_L)[-1]] = traj.reward
       positions_BxT[row, start:end] = np.arange(traj.length)
       segment_ids_BxT[row, start:end] = n + 1
@@ -119,6 +122,7 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
       input_mask_BxT=input_mask_BxT,
       action_mask_BxT=action_mask_BxT,
       behavior_logprobs_BxT=logprobs_BxT,
+      versions_BxT=versions_BxT,
       rewards_BxT=rewards_BxT,
       positions_BxT=positions_BxT,
       segment_ids_BxT=segment_ids_BxT,

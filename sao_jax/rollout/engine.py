@@ -438,7 +438,9 @@ def build_engine(config, version: int = 0, model=None, tok=None,
                                             dtype=config.model.dtype,
                                             param_dtype=serving_param_dtype(
                                                 config),
-                                            layer_loop=config.model.layer_loop)
+                                            layer_loop=config.model.layer_loop,
+                                            logits_dtype=config.model.get(
+                                                'logits_dtype', ''))
   return Engine(model, tok,
                 engine_config(config, tok, server_index=server_index,
                               restart=restart),

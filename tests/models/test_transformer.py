@@ -151,6 +151,30 @@ def test_bfloat16_compute_stays_close(checkpoint):
   assert np.abs(bf16 - f32)[mask].max() > 0  # it did compute in bf16
 
 
+def test_float32_logits_dtype_runs_the_head_on_float32_operands(checkpoint):
+  # The LM head alone, on the same hidden states: with logits_dtype=float32
+  # under bf16 compute it is the float32 matmul of the stored weights (numpy,
+  # float64 reference); in bf16 its operands are rounded first.
+  _, _, directory = checkpoint
+  rng = np.random.default_rng(3)
+  kwargs = dict(dtype='bfloat16', param_dtype='float32')
+  bf16_head = load(directory, **kwargs)
+  f32_head = load(directory, logits_dtype='float32', **kwargs)
+  assert f32_head.config.head_dtype == jnp.float32
+  assert bf16_head.config.head_dtype == jnp.bfloat16
+  hidden = rng.normal(size=(2, 5, f32_head.config.hidden_size)).astype(
+      np.float32)
+  kernel = np.asarray(f32_head.lm_head[...] if f32_head.lm_head is not None
+                      else f32_head.decoder.embed[...].T, np.float64)
+  want = hidden.astype(np.float64) @ kernel
+  got_f32 = np.asarray(f32_head.logits(jnp.asarray(hidden)))
+  got_bf16 = np.asarray(bf16_head.logits(jnp.asarray(hidden)))
+  np.testing.assert_allclose(got_f32, want, rtol=1e-5, atol=1e-5)
+  assert np.abs(got_bf16 - want).max() > 100 * np.abs(got_f32 - want).max()
+  with pytest.raises(ValueError, match='logits_dtype'):
+    load(directory, logits_dtype='float16')
+
+
 def test_export_round_trip_and_transformers_reads_it(checkpoint, tmp_path):
   _, _, directory = checkpoint
   model, tok = pretrained.from_pretrained(directory)
