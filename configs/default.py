@@ -302,6 +302,10 @@ def get_config(arg=None):
   # model.dtype it costs more than it saves (the weights are converted on
   # every call: the Colab quickstart went 5.68 -> 6.45 GiB peak with it).
   c.rollout.param_dtype = ''
+  # The servers' compute dtype: '' keeps model.dtype | float32 | bfloat16.
+  # Apart from model.dtype it is an inference engine whose kernels differ
+  # from the learner's (the log-prob parity benchmark sets the two apart).
+  c.rollout.dtype = ''
   c.rollout.max_prefill_length = 128  # a JetStream padding bucket
   c.rollout.max_target_length = 160  # KV cache per slot: prompt + generation
   # GRPO groups of single-turn tasks as one request with samples_per_slot = G

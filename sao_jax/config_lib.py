@@ -217,6 +217,7 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('model.param_dtype', DTYPES)
   check.choice('model.logits_dtype', ('',) + DTYPES)
   check.choice('rollout.param_dtype', ('',) + DTYPES)
+  check.choice('rollout.dtype', ('',) + DTYPES)
   check.choice('model.layer_loop', model_config.LAYER_LOOPS)
   check.non_negative_int('model.logits_chunk_size')
 

@@ -74,6 +74,7 @@ def test_presets_follow_the_paper():
     ('rollout.max_sequence_length', 4096, r'max_sequence_length=4096 must be <= config.rollout.max_target_length=160'),
     ('kernels.implementation', 'cuda', r"config.kernels.implementation='cuda' is not one of"),
     ('rollout.param_dtype', 'float16', r"config.rollout.param_dtype='float16' is not one of , float32, bfloat16"),
+    ('rollout.dtype', 'float16', r"config.rollout.dtype='float16' is not one of , float32, bfloat16"),
     ('eval.temperature', -0.5, r'config.eval.temperature=-0.5 must be >= 0'),
     ('rollout.temperature', 0.0, r'config.rollout.temperature=0.0 must be > 0: a greedy rollout has no sampling distribution mu'),
     ('critic.minibatches', 3, r'config.batch_size=16 must split into config.critic.minibatches=3 mini-batches'),

@@ -419,6 +419,13 @@ def engine_config(config, tok: tokenizer_lib.Tokenizer, server_index: int = 0,
       restart=restart)
 
 
+def serving_dtype(config) -> str:
+  """The dtype a server computes in: `rollout.dtype`, or the learner's
+  `model.dtype` when that is '' (set them apart to measure what a bf16
+  engine does to mu against an f32 learner, or the reverse)."""
+  return config.rollout.get('dtype', '') or config.model.dtype
+
+
 def serving_param_dtype(config) -> str:
   """The dtype a server keeps its weights in: `rollout.param_dtype`, or the
   learner's `model.param_dtype` when that is ''. Pushed weights are cast to
@@ -435,7 +442,7 @@ def build_engine(config, version: int = 0, model=None, tok=None,
   """
   if model is None:
     model, tok = pretrained.from_pretrained(config.model.source,
-                                            dtype=config.model.dtype,
+                                            dtype=serving_dtype(config),
                                             param_dtype=serving_param_dtype(
                                                 config),
                                             layer_loop=config.model.layer_loop,

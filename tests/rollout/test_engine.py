@@ -201,6 +201,32 @@ def test_engine_config_errors():
     engine_lib.EngineConfig(server_index=-1)
 
 
+def test_rollout_dtype_sets_the_servers_compute_apart_from_the_learners(
+    tiny_checkpoint):
+  """`rollout.dtype = 'bfloat16'` with an f32 learner: the engine keeps f32
+  weights, computes in bf16, and mu_t is a bf16 recomputation's log-prob."""
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny.py'))
+  config.model.source = tiny_checkpoint
+  config.rollout.dtype = 'bfloat16'
+  config.rollout.temperature = 1.0
+  config_lib.validate(config)
+  engine = engine_lib.build_engine(config, version=0)
+  assert engine.model_config.dtype == 'bfloat16'
+  assert {x.dtype for x in jax.tree.leaves(engine.abstract_state())} == {
+      jnp.dtype(jnp.float32)}
+  _, tok = sao_jax.models.from_pretrained(tiny_checkpoint)
+  prompt = tok.encode_chat([{'role': 'user', 'content': 'w2 w5'}])
+  [(tokens, logprobs, _)] = run_requests(engine, [prompt], max_tokens=24)
+  params = engine.config.sampling
+  f32, _ = sao_jax.models.from_pretrained(tiny_checkpoint)
+  bf16, _ = sao_jax.models.from_pretrained(tiny_checkpoint, dtype='bfloat16',
+                                           param_dtype='float32')
+  np.testing.assert_allclose(logprobs, recompute(bf16, prompt, tokens, params),
+                             atol=2e-2)
+  assert np.max(np.abs(np.array(logprobs) -
+                       recompute(f32, prompt, tokens, params))) > 1e-4
+
+
 def test_bfloat16_server_weights_sample_from_the_rounded_policy(
     tiny_checkpoint, tmp_path):
   """`rollout.param_dtype = 'bfloat16'`: the engine keeps bf16 weights, a
