@@ -70,6 +70,7 @@ QUICK = {'total_steps': 3, 'eval.every': 0, 'task.held_out': 16,
          'critic.pretrain_steps': 2}
 
 STABILITY_COLUMNS = (('optimizer steps per batch', 'policy/optimizer_steps'),
+                     ('critic steps per batch', 'critic/optimizer_steps'),
                      ('DIS below', 'policy/frac_below'),
                      ('DIS above', 'policy/frac_above'),
                      ('PPO clip frac', 'policy/clip_frac'),

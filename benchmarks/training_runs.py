@@ -54,6 +54,7 @@ STABILITY_KEYS = (
     'policy/ratio_max', 'policy/ratio_mean', 'policy/clip_frac',
     'policy/kl_k3', 'policy/optimizer_steps', 'policy/behavior_weight_mean',
     'policy/grad_norm', 'critic/grad_norm', 'critic/explained_variance',
+    'critic/optimizer_steps',
     'rollout/staleness_mean', 'rollout/staleness_max',
     'rollout/token_staleness_mean', 'rollout/token_staleness_p95',
     'queue/waiting_for_group',

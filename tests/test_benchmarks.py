@@ -159,6 +159,8 @@ def test_algorithms_benchmark_quick(tmp_path):
   # the recomputed old policy moves off 1; SAO takes one step.
   assert grpo['stability']['policy/optimizer_steps'] == 4
   assert sao['stability']['policy/optimizer_steps'] == 1
+  # SAO's critic: K = 2 full-batch steps per policy step (configs/tiny.py).
+  assert sao['stability']['critic/optimizer_steps'] == 2
   assert (grpo['stability']['policy/ratio_max']
           > grpo['stability']['policy/ratio_min'])
   assert 'critic/explained_variance' in sao['stability']
@@ -171,6 +173,26 @@ def test_algorithms_benchmark_quick(tmp_path):
     assert target['trajectories'] == [
         reached[0]['trajectories'] if reached else None]
   assert '| sao | 1/1 |' in stdout
+
+
+@pytest.mark.slow
+def test_logprob_parity_benchmark_quick(tmp_path):
+  result, stdout = _quick('logprob_parity.py', tmp_path)
+  runs = {r['variant']: r for r in result['runs']}
+  assert set(runs) == {'server f32 / learner f32', 'server bf16 / learner f32'}
+  assert '--config.rollout.dtype=bfloat16' in runs[
+      'server bf16 / learner f32']['command']
+  same, bf16 = (result['rows'][k] for k in (
+      'server f32 / learner f32', 'server bf16 / learner f32'))
+  for row in (same, bf16):
+    assert row['tokens'] > 0
+    assert 0 <= row['frac_gt_1'] <= row['frac_gt_0.1'] <= row['frac_gt_0.01'] <= 1
+  # The same f32 policy on both sides differs by kernel order only; a bf16
+  # server is off by its rounding on many tokens.
+  assert same['frac_gt_0.01'] < 0.01 and same['pearson'] > 0.9999
+  assert bf16['mean_abs_diff'] > 10 * same['mean_abs_diff']
+  assert bf16['frac_gt_0.01'] > same['frac_gt_0.01']
+  assert '| server bf16 / learner f32 | 1 |' in stdout
 
 
 @pytest.mark.slow
