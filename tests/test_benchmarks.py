@@ -187,11 +187,12 @@ def test_logprob_parity_benchmark_quick(tmp_path):
   for row in (same, bf16):
     assert row['tokens'] > 0
     assert 0 <= row['frac_gt_1'] <= row['frac_gt_0.1'] <= row['frac_gt_0.01'] <= 1
-  # The same f32 policy on both sides differs by kernel order only; a bf16
-  # server is off by its rounding on many tokens.
-  assert same['frac_gt_0.01'] < 0.01 and same['pearson'] > 0.9999
-  assert bf16['mean_abs_diff'] > 10 * same['mean_abs_diff']
-  assert bf16['frac_gt_0.01'] > same['frac_gt_0.01']
+  # The same f32 policy on both sides differs by the order of its sums
+  # (~1e-7 here); a bf16 server by its rounding (~6e-4 on the tiny model,
+  # whose log-probs are nearly uniform, so few tokens pass 0.01).
+  assert same['frac_gt_0.01'] < 0.01 and same['mean_abs_diff'] < 1e-5
+  assert bf16['mean_abs_diff'] > 100 * same['mean_abs_diff']
+  assert bf16['pearson'] < same['pearson']
   assert '| server bf16 / learner f32 | 1 |' in stdout
 
 
