@@ -38,7 +38,7 @@ _BF16 = 'bfloat16'
 #: not set (rollout/engine.py's serving_dtype, serving_param_dtype).
 VARIANTS = {
     'server f32 / learner f32': {},
-    'server bf16 weights, f32 compute / learner f32': {
+    'server bf16 weights + f32 compute / learner f32': {
         'rollout.param_dtype': _BF16},
     'server bf16 / learner f32': {
         'rollout.param_dtype': _BF16, 'rollout.dtype': _BF16},
@@ -46,7 +46,7 @@ VARIANTS = {
         'model.dtype': _BF16, 'rollout.dtype': 'float32'},
     'server bf16 / learner bf16 compute': {
         'model.dtype': _BF16, 'rollout.param_dtype': _BF16},
-    'server bf16 / learner bf16, f32 LM head (both)': {
+    'server bf16 / learner bf16 + f32 LM head (both)': {
         'model.dtype': _BF16, 'rollout.param_dtype': _BF16,
         'model.logits_dtype': 'float32'},
 }
