@@ -22,7 +22,6 @@ server and the learner alike. The learner's parameters stay f32 in every row
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -75,7 +74,7 @@ def parity_of_run(workdir: str) -> dict:
   """
   records = metrics_log.read_jsonl(os.path.join(workdir, 'metrics.jsonl'),
                                    dedupe=True)
-  steps = [r for r in records if _finite(r.get('parity/tokens'))
+  steps = [r for r in records if training_runs.finite_number(r.get('parity/tokens'))
            and r['parity/tokens'] > 0]
   if not steps:
     raise ValueError(f'{workdir}: no step logged parity/tokens > 0')
@@ -85,17 +84,12 @@ def parity_of_run(workdir: str) -> dict:
     values = np.array([r[f'parity/{key}'] for r in steps], float)
     out[key] = float(np.sum(values * tokens) / tokens.sum())
   pearson = [r['parity/pearson'] for r in steps
-             if _finite(r.get('parity/pearson'))]
+             if training_runs.finite_number(r.get('parity/pearson'))]
   out['pearson'] = float(np.median(pearson)) if pearson else None
   for key in ('policy/frac_below', 'policy/frac_above'):
-    values = [r[key] for r in steps if _finite(r.get(key))]
+    values = [r[key] for r in steps if training_runs.finite_number(r.get(key))]
     out[key] = float(np.mean(values)) if values else None
   return out
-
-
-def _finite(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(
-      value, bool) and math.isfinite(value)
 
 
 def markdown_table(rows: dict) -> str:

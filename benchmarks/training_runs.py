@@ -244,19 +244,19 @@ def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
                                    dedupe=True)
   evals = [(int(r['step']), float(r['time']), float(r['eval/accuracy']),
             float(r.get('eval/accuracy_se') or 0.0))
-           for r in records if _finite(r.get('eval/accuracy'))]
+           for r in records if finite_number(r.get('eval/accuracy'))]
   rewards = [(int(r['step']), float(r['time']), float(r['train/reward']))
-             for r in records if _finite(r.get('train/reward'))]
+             for r in records if finite_number(r.get('train/reward'))]
   if not evals or not rewards:
     raise ValueError(f'{workdir}: the log holds no evaluation or no reward')
   reward_values = np.array([v for _, _, v in rewards])
-  logged = {key: [float(r[key]) for r in records if _finite(r.get(key))]
+  logged = {key: [float(r[key]) for r in records if finite_number(r.get(key))]
             for key in STABILITY_KEYS + FINAL_KEYS}
   stability = {key: float(np.mean(logged[key])) for key in STABILITY_KEYS
                if logged[key]}
   final = {key: logged[key][-1] for key in FINAL_KEYS if logged[key]}
   collapse = collapse_step([s for s, _, _ in rewards], reward_values)
-  train_rows = [r for r in records if _finite(r.get('time/step_seconds'))]
+  train_rows = [r for r in records if finite_number(r.get('time/step_seconds'))]
   step_seconds = sum(r['time/step_seconds'] for r in train_rows)
   wait_seconds = sum(r.get('time/wait_seconds') or 0.0 for r in train_rows)
   first = train_rows[0] if train_rows else None
@@ -264,7 +264,7 @@ def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
                   if first else None)
   generator_idle = [r['rollout/client/generator_idle_fraction']
                     for r in records
-                    if _finite(r.get('rollout/client/generator_idle_fraction'))]
+                    if finite_number(r.get('rollout/client/generator_idle_fraction'))]
   return {
       'batch_size': batch_size,
       'steps': rewards[-1][0],
@@ -294,7 +294,8 @@ def summarize_run(workdir: str, batch_size: int) -> dict[str, Any]:
   }
 
 
-def _finite(value) -> bool:
+def finite_number(value) -> bool:
+  """A logged number that is neither null, a bool, NaN nor inf."""
   return isinstance(value, (int, float)) and not isinstance(
       value, bool) and math.isfinite(value)
 

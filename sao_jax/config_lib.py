@@ -327,7 +327,9 @@ def validate(config: ml_collections.ConfigDict,
           f' rows from each of the {shards} data-parallel shards (batch_size'
           f' a multiple of {shards * parts})')
 
-  _check_packing(config, check, problems, mesh)
+  # Packed rows split as the batch's trajectories do (the lcm above).
+  _check_packing(config, check, problems, mesh,
+                 row_parts=(minibatches or 1) * (microbatches or 1))
   if problems:
     raise ConfigError('invalid config: ' + '; '.join(problems))
   return mesh
@@ -398,8 +400,12 @@ def default_packed_rows(batch_size: int, parts: int = 1) -> int:
 
 
 def _check_packing(config, check: _Checker, problems: list[str],
-                   mesh: dict[str, int]) -> None:
-  """`config.batching`: the mode, and rows that split like batch_size."""
+                   mesh: dict[str, int], row_parts: int) -> None:
+  """`config.batching`: the mode, and rows that split like batch_size.
+
+  `row_parts`: the mini- x micro-batches each data-parallel shard's rows
+  split into (mini-batches: the lcm of the actor's and the critic's).
+  """
   mode = check.choice('batching.pack_sequences', PACK_MODES)
   rows = check.non_negative_int('batching.packed_rows')
   batch = check.get('batch_size')
@@ -422,15 +428,7 @@ def _check_packing(config, check: _Checker, problems: list[str],
                     f' config.batch_size={batch} (the trajectories of a'
                     ' batch)')
   if rows and mesh:
-    actor = check.get('optim.policy_minibatches') or 1
-    estimator = check.get('advantage.estimator')
-    critic = ((check.get('critic.minibatches') or actor)
-              if estimator in algorithms.ESTIMATORS
-              and algorithms.ESTIMATORS[estimator].uses_critic else actor)
-    parts = (sharding.batch_parallelism(mesh)
-             * (math.lcm(actor, critic)
-                if isinstance(actor, int) and isinstance(critic, int) else 1)
-             * (check.get('optim.microbatches') or 1))
+    parts = sharding.batch_parallelism(mesh) * row_parts
     if rows % parts:
       problems.append(
           f'config.batching.packed_rows={rows} must split into'

@@ -84,8 +84,10 @@ class Learner:
     self.critic_tx = optimizers.make(
         config.optim.critic, config.total_steps,
         self.critic_passes * self.critic_minibatches)
-    self.pretrain_critic_tx = optimizers.make(
-        config.optim.critic, max(config.critic.pretrain_steps, 1))
+    # Value pretraining's schedule spans its batches (at least one).
+    self._pretrain_batches = max(config.critic.pretrain_steps, 1)
+    self.pretrain_critic_tx = optimizers.make(config.optim.critic,
+                                              self._pretrain_batches)
     self._policy_def, policy_params = nnx.split(policy, nnx.Param)
     critic_params = frozen_params = None
     if self.uses_critic:
@@ -371,7 +373,7 @@ class Learner:
     optimizer restarts for RL afterwards); `critic_step` counts its batches.
     """
     rate = optimizers.schedule(self.config.optim.critic,
-                               max(self.config.critic.pretrain_steps, 1))
+                               self._pretrain_batches)
     return self._critic_updates(state, batch, 1, 1, self.pretrain_critic_tx,
                                 rate(state.critic_step))[:2]
 
@@ -551,25 +553,25 @@ def _reduce_metrics(metrics_S, weights_S):
   few, as it does in the full-batch loss.
   """
   has_tokens_S = weights_S > 0
+  # No part had tokens: the extremes fall back to the first part's value.
+  any_tokens = jnp.any(has_tokens_S)
   total = jnp.maximum(jnp.sum(weights_S), 1e-30)
   out = {}
   for name, values_S in metrics_S.items():
     if name.endswith('_min'):
-      out[name] = jnp.min(jnp.where(has_tokens_S, values_S, jnp.inf))
+      out[name] = jnp.where(
+          any_tokens, jnp.min(jnp.where(has_tokens_S, values_S, jnp.inf)),
+          values_S[0])
     elif name.endswith('_max'):
-      out[name] = jnp.max(jnp.where(has_tokens_S, values_S, -jnp.inf))
+      out[name] = jnp.where(
+          any_tokens, jnp.max(jnp.where(has_tokens_S, values_S, -jnp.inf)),
+          values_S[0])
     elif name in _COUNT_METRICS:
       out[name] = jnp.sum(values_S)
     else:
       # where(): a part without tokens may report NaN (explained variance).
       out[name] = jnp.sum(jnp.where(has_tokens_S, values_S * weights_S,
                                     0.0)) / total
-  if metrics_S:
-    # No part had tokens: the extremes fall back to the parts' own values.
-    any_tokens = jnp.any(has_tokens_S)
-    for name, values_S in metrics_S.items():
-      if name.endswith(('_min', '_max')):
-        out[name] = jnp.where(any_tokens, out[name], values_S[0])
   return out
 
 

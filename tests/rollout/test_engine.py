@@ -201,15 +201,23 @@ def test_engine_config_errors():
     engine_lib.EngineConfig(server_index=-1)
 
 
+def sampling_config(tiny_checkpoint, **rollout):
+  """configs/tiny.py on the test checkpoint, sampling at temperature 1, with
+  `rollout` overrides; validated."""
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny.py'))
+  config.model.source = tiny_checkpoint
+  config.rollout.temperature = 1.0
+  for key, value in rollout.items():
+    config.rollout[key] = value
+  config_lib.validate(config)
+  return config
+
+
 def test_rollout_dtype_sets_the_servers_compute_apart_from_the_learners(
     tiny_checkpoint):
   """`rollout.dtype = 'bfloat16'` with an f32 learner: the engine keeps f32
   weights, computes in bf16, and mu_t is a bf16 recomputation's log-prob."""
-  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny.py'))
-  config.model.source = tiny_checkpoint
-  config.rollout.dtype = 'bfloat16'
-  config.rollout.temperature = 1.0
-  config_lib.validate(config)
+  config = sampling_config(tiny_checkpoint, dtype='bfloat16')
   engine = engine_lib.build_engine(config, version=0)
   assert engine.model_config.dtype == 'bfloat16'
   assert {x.dtype for x in jax.tree.leaves(engine.abstract_state())} == {
@@ -233,11 +241,7 @@ def test_bfloat16_server_weights_sample_from_the_rounded_policy(
   pushed f32 checkpoint is rounded on load, and mu_t is the log-prob of the
   rounded weights (computed in f32): equal to a recomputation with rounded
   weights, off the f32 policy's by the rounding only."""
-  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny.py'))
-  config.model.source = tiny_checkpoint
-  config.rollout.param_dtype = 'bfloat16'
-  config.rollout.temperature = 1.0
-  config_lib.validate(config)
+  config = sampling_config(tiny_checkpoint, param_dtype='bfloat16')
   engine = engine_lib.build_engine(config, version=7)
   dtypes = {x.dtype for x in jax.tree.leaves(engine.abstract_state())}
   assert dtypes == {jnp.dtype(jnp.bfloat16)}
