@@ -330,7 +330,7 @@ def get_config(arg=None):
   c.rollout.no_server_grace_s = 180.0  # no live server this long: error
   c.rollout.max_restart_backoff_s = 30.0  # local servers: 1, 2, 4, ... s up to this
   # Host-side queue between workers and the learner.
-  c.rollout.queue_capacity = 0  # finished trajectories held; 0: admission bounds it
+  c.rollout.queue_capacity = 0  # finished trajectories held per host; 0: admission bounds it
   c.rollout.logprob_tolerance = 1e-3  # mu_t > this is a malformed trajectory
   # Rewards here are O(1); one of larger magnitude is an environment bug,
   # rejected and counted (queue/rejected/reward_out_of_range), not trained on.

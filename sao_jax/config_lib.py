@@ -244,10 +244,16 @@ def validate(config: ml_collections.ConfigDict,
         f' config.rollout.sync_every - 1 = {sync_every - 1}: with weights'
         ' pushed every sync_every steps, a smaller bound admits no rollout'
         ' and the learner waits forever')
+  # The queue is per host and holds that host's share of a batch; with the
+  # process count unknown until jax.distributed starts (-1), the queue
+  # itself checks its capacity against the share (RolloutQueue).
   capacity = check.non_negative_int('rollout.queue_capacity')
-  if capacity and batch and capacity < batch:
+  hosts = (config.distributed.num_processes if config.distributed.enabled
+           else 1)
+  if capacity and batch and hosts > 0 and capacity < batch // hosts:
     problems.append(f'config.rollout.queue_capacity={capacity} must be 0 or'
-                    f' >= config.batch_size={batch}')
+                    f' >= config.batch_size / hosts = {batch // hosts}'
+                    ' (each host queues its own share of a batch)')
   check.positive('rollout.logprob_tolerance')
   check.open_interval('rollout.max_abs_reward', 0, float('inf'))
   check.positive_int('rollout.num_workers')

@@ -93,6 +93,25 @@ def test_validate_names_the_bad_key(key, value, message):
 
 
 
+def test_queue_capacity_is_checked_against_each_hosts_share():
+  """The queue holds one host's share of a batch (B / hosts rows)."""
+  config = default()  # batch_size 16
+  config.rollout.queue_capacity = 8
+  with pytest.raises(config_lib.ConfigError,
+                     match=r'queue_capacity=8 must be 0 or >= config.batch_size'
+                     r' / hosts = 16'):
+    config_lib.validate(config, num_devices=8)
+  config.distributed.enabled = True
+  config.distributed.coordinator_address = 'localhost:1234'
+  config.distributed.num_processes = 2
+  config.distributed.process_id = 0
+  config_lib.validate(config, num_devices=8)  # 8 >= 16 / 2
+  config.rollout.queue_capacity = 7
+  with pytest.raises(config_lib.ConfigError, match=r'>= config.batch_size'
+                     r' / hosts = 8'):
+    config_lib.validate(config, num_devices=8)
+
+
 @pytest.mark.parametrize('key, value, message', [
     ('delay_median_s', -1.0, r'config.task.word_target.delay_median_s=-1.0 must be >= 0'),
     ('delay_sigma', -0.5, r'config.task.word_target.delay_sigma=-0.5 must be >= 0'),
