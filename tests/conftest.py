@@ -48,9 +48,24 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 # (benchmark quick modes) would otherwise fail on libtpu's process lock.
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
+import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 from sao_jax.models import tiny  # pylint: disable=g-import-not-at-top
+
+# XLA:CPU sizes its worker pools by max(cores, devices) (NPROC, when set,
+# stands for the core count): eight threads for the eight fake devices on
+# two cores. Each device waiting in a collective's rendezvous holds one of
+# them, so a device whose remaining work sits queued on the same pool can
+# leave all eight waiting for it until the terminate timeout (CI at 00cf3bc:
+# a (2,2,2)-mesh Pallas step with two micro-batches hung 15 min and took its
+# worker down). Twice the threads leave slack; the client reads NPROC once,
+# when the backend starts, and servers and runs this session starts size
+# their pools by the machine again.
+if 'NPROC' not in os.environ:
+  os.environ['NPROC'] = '16'
+  jax.devices()
+  del os.environ['NPROC']
 
 _executed = {'count': 0}
 
