@@ -48,6 +48,11 @@ def get_config(arg=None):
   # alike: the train/inference log-prob mismatch it causes shows in the
   # parity/* metrics (BENCHMARKS.md, log-prob parity).
   c.model.logits_dtype = ''
+  # Full-sequence self-attention (learner passes, server prefill):
+  # auto | dense | blockwise | splash. auto: JAX's splash kernel on TPU;
+  # elsewhere blockwise (online softmax, memory linear in T) past 512
+  # tokens, dense (the definition) below.
+  c.model.attention = 'auto'
   # Recompute layer activations in the backward pass. The demo's three
   # 30-layer backward passes (K = 2 critic updates, one policy update) would
   # otherwise hold every layer's activations: with the two settings below it

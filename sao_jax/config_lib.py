@@ -216,6 +216,7 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('model.dtype', DTYPES)
   check.choice('model.param_dtype', DTYPES)
   check.choice('model.logits_dtype', ('',) + DTYPES)
+  check.choice('model.attention', model_config.ATTENTIONS)
   check.choice('rollout.param_dtype', ('',) + DTYPES)
   check.choice('rollout.dtype', ('',) + DTYPES)
   check.choice('model.layer_loop', model_config.LAYER_LOOPS)
@@ -629,7 +630,8 @@ def model_overrides(config: ml_collections.ConfigDict) -> dict:
   """The `ModelConfig` fields `config.model` sets (for `from_pretrained`)."""
   m = config.model
   return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-              layer_loop=m.layer_loop, logits_dtype=m.get('logits_dtype', ''))
+              layer_loop=m.layer_loop, logits_dtype=m.get('logits_dtype', ''),
+              attention=m.get('attention', 'auto'))
 
 
 def set_from_text(config: ml_collections.ConfigDict, key: str,

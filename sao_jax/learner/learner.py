@@ -39,6 +39,7 @@ from flax import nnx
 from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax import types
+from sao_jax.kernels.attention import api as attention_api
 from sao_jax.learner import optimizers
 from sao_jax.models import critic as critic_lib
 from sao_jax.models import sampling
@@ -122,17 +123,25 @@ class Learner:
     self._initial_params = ((policy_params, critic_params, frozen_params)
                             if init_state else None)
     self.train_step = jax.jit(
-        self._train_step,
+        self._on_mesh(self._train_step),
         in_shardings=(self.state_shardings, self._batch_shardings()),
         out_shardings=(self.state_shardings, None), donate_argnums=(0,))
     self.critic_step = jax.jit(
-        self._critic_only_step,
+        self._on_mesh(self._critic_only_step),
         in_shardings=(self.state_shardings, self._batch_shardings()),
         out_shardings=(self.state_shardings, None), donate_argnums=(0,))
     # After value pretraining: RL's critic warm-up starts at RL step 0.
     self.reset_critic_optimizer = jax.jit(
         self._reset_critic_optimizer, in_shardings=(self.state_shardings,),
         out_shardings=self.state_shardings, donate_argnums=(0,))
+
+  def _on_mesh(self, step):
+    """`step`, traced with the mesh known to the model's attention kernel
+    (a Mosaic kernel runs per shard: `attention_api.mesh_context`)."""
+    def traced(*args):
+      with attention_api.mesh_context(self.mesh):
+        return step(*args)
+    return traced
 
   # -- state ------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def prefill(model: transformer.CausalLM, tokens_BxP, lengths_B):
   input_mask_BxP = jnp.arange(length)[None] < jnp.asarray(lengths_B)[:, None]
   positions_BxP = jnp.broadcast_to(jnp.arange(length), (batch, length))
   hidden, (k, v) = model.decoder(tokens_BxP, positions_BxP,
-                                 transformer.causal_mask(input_mask_BxP))
+                                 transformer.attention_mask(input_mask_BxP))
   last_Bxd = hidden[jnp.arange(batch), jnp.asarray(lengths_B) - 1]
   logits_BxV = model.logits(last_Bxd[:, None])[:, 0]
   return logits_BxV, KVCache(k, v)

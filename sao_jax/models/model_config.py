@@ -14,6 +14,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax.kernels.attention import api as attention_api
+
 ARCHITECTURES = {
     # model_type -> the HF class name written into config.json on export.
     'llama': 'LlamaForCausalLM',
@@ -21,6 +23,7 @@ ARCHITECTURES = {
 }
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 LAYER_LOOPS = ('auto', 'scan', 'unroll')
+ATTENTIONS = attention_api.CHOICES
 # 'auto' unrolls stacks up to this depth off TPU. Measured on CPU (BENCHMARKS.md,
 # learner): 2 layers, -24% step time at equal compile time; SmolLM2's 30,
 # -6% step time and -1.7 GB of temporaries for +33 s of compile per jitted
@@ -58,6 +61,11 @@ class ModelConfig:
       under bfloat16 compute runs the head's matmul (and the log-softmax,
       always float32) on float32 operands, the layer where rounding moves
       log-probs most (the vocabulary-wide logsumexp).
+    attention: the full-sequence self-attention, a name of
+      `attention_api.CHOICES`: 'dense' (the definition, scores in memory,
+      quadratic in T), 'blockwise' (online softmax in tiles, linear), 'splash'
+      (JAX's TPU kernel) or 'auto' (splash on TPU, blockwise past one tile
+      elsewhere, dense below).
   """
   model_type: str
   vocab_size: int
@@ -80,8 +88,12 @@ class ModelConfig:
   remat: bool = False
   layer_loop: str = 'auto'
   logits_dtype: str = ''
+  attention: str = 'auto'
 
   def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f'attention={self.attention!r} is not one of'
+                       f' {ATTENTIONS}')
     if self.layer_loop not in LAYER_LOOPS:
       raise ValueError(f'layer_loop={self.layer_loop!r} is not one of'
                        f' {LAYER_LOOPS}')

@@ -32,7 +32,8 @@ NAMED_MODELS = (SMOLLM2_135M_INSTRUCT, TINY_RANDOM)
 
 def from_pretrained(source: str, dtype: str = 'float32',
                     param_dtype: str | None = None, remat: bool = False,
-                    layer_loop: str = 'auto', logits_dtype: str = ''):
+                    layer_loop: str = 'auto', logits_dtype: str = '',
+                    attention: str = 'auto'):
   """Loads a policy and its tokenizer, offline.
 
   Args:
@@ -46,6 +47,7 @@ def from_pretrained(source: str, dtype: str = 'float32',
     layer_loop: 'auto' | 'scan' | 'unroll' (`ModelConfig.layer_loop`).
     logits_dtype: the LM head's operand dtype, '' for `dtype`
       (`ModelConfig.logits_dtype`).
+    attention: the self-attention implementation (`ModelConfig.attention`).
 
   Returns:
     `(model, tokenizer)`: a `transformer.CausalLM` mapping int32 `[B, T]` to
@@ -56,7 +58,8 @@ def from_pretrained(source: str, dtype: str = 'float32',
       missing or misshapen tensor (the message names it).
   """
   overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
-                   layer_loop=layer_loop, logits_dtype=logits_dtype)
+                   layer_loop=layer_loop, logits_dtype=logits_dtype,
+                   attention=attention)
   if source == TINY_RANDOM:
     model, tok = tiny.make()
     if all(getattr(model.config, k) == v for k, v in overrides.items()):
@@ -84,14 +87,16 @@ def from_pretrained(source: str, dtype: str = 'float32',
 
 def abstract_model(source: str, dtype: str = 'float32',
                    param_dtype: str | None = None, remat: bool = False,
-                   layer_loop: str = 'auto', logits_dtype: str = ''):
+                   layer_loop: str = 'auto', logits_dtype: str = '',
+                    attention: str = 'auto'):
   """The policy's structure and shapes only (no weights, no memory).
 
   For ahead-of-time compiles: `source` may be `arch:<name>` (a named
   architecture), a checkpoint directory (its config.json), or a named model.
   """
   overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
-                   layer_loop=layer_loop, logits_dtype=logits_dtype)
+                   layer_loop=layer_loop, logits_dtype=logits_dtype,
+                   attention=attention)
   if source.startswith('arch:'):
     cfg = architectures.get(source[len('arch:'):], **overrides)
   elif os.path.isdir(source):

@@ -25,10 +25,11 @@ from flax import nnx
 
 from sao_jax import array_checks
 from sao_jax import platforms
+from sao_jax.kernels.attention import api as attention_api
+from sao_jax.kernels.attention import reference as attention_reference
 from sao_jax.models import model_config
 
 _F32 = jnp.float32
-_NEG_INF = -1e30  # Finite: a fully masked row (padding) must not become NaN.
 
 
 def _param(rngs, shape, axes, dtype, init=jax.nn.initializers.normal(0.02)):
@@ -103,18 +104,21 @@ class Attention(nnx.Module):
     else:
       self.q_bias = self.k_bias = self.v_bias = None
     self.dtype = cfg.compute_dtype
+    self.implementation = cfg.attention
 
   def _project(self, x, kernel, bias):
     y = dense(x, kernel[...].astype(self.dtype))
     return y if bias is None else y + bias[...].astype(self.dtype)
 
-  def __call__(self, x_BxTxd, cos_BxTxD, sin_BxTxD, mask_BxTxS,
+  def __call__(self, x_BxTxd, cos_BxTxD, sin_BxTxD, mask,
                cache_k=None, cache_v=None, write_index_B=None):
     """Returns `(y_BxTxd, (keys, values))`.
 
-    Without a cache the keys/values are this call's own `[B, T, K, D]` (what a
-    prefill stores); with one, the new keys/values are written into it at
-    `write_index_B` and the updated `[B, S, K, D]` cache is returned.
+    Without a cache `mask` is the segment ids `[B, T]` of causal
+    self-attention (`attention_api.self_attention`) and the keys/values are
+    this call's own `[B, T, K, D]` (what a prefill stores); with one, `mask`
+    is `[B, T, S]` bool over the cache, the new keys/values are written into
+    it at `write_index_B` and the updated `[B, S, K, D]` cache is returned.
     """
     q_BxTxHxD = apply_rope(self._project(x_BxTxd, self.q_proj, self.q_bias),
                            cos_BxTxD, sin_BxTxD)
@@ -123,41 +127,23 @@ class Attention(nnx.Module):
     v_BxTxKxD = self._project(x_BxTxd, self.v_proj, self.v_bias)
     if cache_k is None:
       keys, values = k_BxTxKxD, v_BxTxKxD
+      out_BxTxHxD = attention_api.self_attention(
+          q_BxTxHxD, keys, values, mask, self.implementation)
     else:
       write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(
           c, n.astype(c.dtype), (i, 0, 0)))
       keys = write(cache_k, k_BxTxKxD, write_index_B)
       values = write(cache_v, v_BxTxKxD, write_index_B)
-    out_BxTxHxD = attend(q_BxTxHxD, keys.astype(self.dtype),
-                         values.astype(self.dtype), mask_BxTxS)
+      out_BxTxHxD = attend(q_BxTxHxD, keys.astype(self.dtype),
+                           values.astype(self.dtype), mask)
     y_BxTxd = dense(out_BxTxHxD, self.o_proj[...].astype(self.dtype), 2)
     return y_BxTxd, (keys, values)
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-  """Softmax attention of H query heads over K shared key/value heads.
-
-  Heads go first and each key/value head's G query heads are stacked along
-  the query axis, so both products are plain batched matmuls
-  `[B K] x [(G T), D] x [D, S]`: with the heads between batch and time,
-  XLA:CPU ran the backward 1.7x slower (docs/design/learner_speed.md).
-  """
-  b, t, h, d = q_BxTxHxD.shape
-  kv_heads = k_BxSxKxD.shape[2]
-  groups = h // kv_heads
-  q_BxKxQxD = q_BxTxHxD.reshape(b, t, kv_heads, groups, d).transpose(
-      0, 2, 3, 1, 4).reshape(b, kv_heads, groups * t, d)
-  k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3)
-  v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3)
-  scores = jnp.einsum('bkqd,bksd->bkqs', q_BxKxQxD, k_BxKxSxD,
-                      preferred_element_type=_F32) * (d ** -0.5)
-  scores_BxKxGxTxS = scores.reshape(b, kv_heads, groups, t, -1)
-  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
-                               _NEG_INF)
-  probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxD.dtype)
-  out = jnp.einsum('bkqs,bksd->bkqd', probs.reshape(scores.shape), v_BxKxSxD)
-  return out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4).reshape(
-      b, t, h, d)
+  """Dense softmax attention under an explicit mask (the decode path)."""
+  return attention_reference.dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
+                                             mask_BxTxS)
 
 
 class MLP(nnx.Module):
@@ -212,15 +198,16 @@ class Decoder(nnx.Module):
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                               cfg.params_dtype)
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None,
+  def __call__(self, tokens_BxT, positions_BxT, mask, cache=None,
                write_index_B=None):
     """Runs the stack; returns `(hidden_BxTxd, (keys, values))`.
 
     Args:
       tokens_BxT: int token ids.
       positions_BxT: RoPE positions of the tokens.
-      mask_BxTxS: bool, query t may attend to key s (S = T without a cache,
-        the cache length with one).
+      mask: without a cache, int segment ids `[B, T]` of causal
+        self-attention (`attention_mask`); with one, bool `[B, T, S]`: query
+        t may attend cache position s.
       cache: optional `(k, v)`, each `[L, B, S, K, D]`, for decoding.
       write_index_B: where each row's new keys go in the cache.
 
@@ -236,7 +223,7 @@ class Decoder(nnx.Module):
     def layer(x, xs):
       params, cache_k, cache_v = xs
       block = nnx.merge(graphdef, params)
-      return block(x, cos, sin, mask_BxTxS, cache_k, cache_v, write_index_B)
+      return block(x, cos, sin, mask, cache_k, cache_v, write_index_B)
 
     if cfg.remat:
       layer = jax.checkpoint(layer)
@@ -255,30 +242,25 @@ def default_positions(tokens_BxT, input_mask_BxT=None):
 
 
 def causal_mask(input_mask_BxT):
-  """Query t sees key s <= t when s is a real token: `[B, T, T]` bool."""
+  """Query t sees key s <= t when s is a real token: `[B, T, T]` bool (the
+  dense form of `attention_mask(input_mask_BxT)` on the real queries)."""
   t = input_mask_BxT.shape[1]
   causal_TxT = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
   return causal_TxT[None] & input_mask_BxT.astype(bool)[:, None, :]
 
 
-def segment_mask(segment_ids_BxT):
-  """Query t sees key s <= t of its own segment: `[B, T, T]` bool.
+def attention_mask(input_mask_BxT, segment_ids_BxT=None):
+  """The segment ids `[B, T]` the decoder's self-attention takes.
 
   A packed row holds several trajectories back to back (segment ids 1, 2,
   ...; 0 on padding): attention never crosses from one into another, so
   each one's outputs are what they would be alone in a row (with positions
-  counted from 0 in each segment).
+  counted from 0 in each segment). An unpacked row is one segment, its real
+  tokens 1 and its padding 0 (left or right).
   """
-  ids_BxT = jnp.asarray(segment_ids_BxT)
-  same_BxTxT = ids_BxT[:, :, None] == ids_BxT[:, None, :]
-  return causal_mask(ids_BxT > 0) & same_BxTxT
-
-
-def attention_mask(input_mask_BxT, segment_ids_BxT=None):
-  """`segment_mask` of packed rows, else `causal_mask` of the real tokens."""
   if segment_ids_BxT is None:
-    return causal_mask(input_mask_BxT)
-  return segment_mask(segment_ids_BxT)
+    return jnp.asarray(input_mask_BxT).astype(jnp.int32)
+  return jnp.asarray(segment_ids_BxT).astype(jnp.int32)
 
 
 class CausalLM(nnx.Module):
@@ -300,7 +282,7 @@ class CausalLM(nnx.Module):
       positions: optional int `[B, T]` RoPE positions; by default counted over
         the real tokens of `input_mask`.
       input_mask: optional bool `[B, T]`, False at padding (left or right).
-      segment_ids: optional int `[B, T]` of packed rows (`segment_mask`;
+      segment_ids: optional int `[B, T]` of packed rows (`attention_mask`;
         0 at padding): replaces `input_mask` in the attention mask.
     """
     return self.logits(self.hidden_states(tokens, positions, input_mask,

@@ -447,7 +447,9 @@ def build_engine(config, version: int = 0, model=None, tok=None,
                                                 config),
                                             layer_loop=config.model.layer_loop,
                                             logits_dtype=config.model.get(
-                                                'logits_dtype', ''))
+                                                'logits_dtype', ''),
+                                            attention=config.model.get(
+                                                'attention', 'auto'))
   return Engine(model, tok,
                 engine_config(config, tok, server_index=server_index,
                               restart=restart),
@@ -464,7 +466,7 @@ def _refresh(model, version, stale_N, ds: DecodeState) -> DecodeState:
   positions_NxS = jnp.broadcast_to(jnp.arange(length), (rows, length))
   valid_NxS = positions_NxS < ds.positions[:, None]
   hidden, (k, v) = model.decoder(ds.tokens, positions_NxS,
-                                 transformer.causal_mask(valid_NxS))
+                                 transformer.attention_mask(valid_NxS))
   last_Nxd = hidden[jnp.arange(rows), jnp.maximum(ds.positions - 1, 0)]
   logits_NxV = model.logits(last_Nxd[:, None])[:, 0]
   pick = stale_N[None, :, None, None, None]

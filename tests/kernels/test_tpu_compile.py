@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from sao_jax import kernels
+from sao_jax.kernels.attention import pallas_tpu as attention_tpu
 from sao_jax.tools import tpu_aot
 
 if platform.system() != 'Linux' or platform.machine() != 'x86_64':
@@ -85,3 +86,24 @@ def test_packed_kernels_compile_for_tpu(topology):
       topology=target)
   assert 'tpu_custom_call' in compiled_gae.as_text()
   assert 'tpu_custom_call' in compiled_dis.as_text()
+
+
+def splash_value_and_grad(q, k, v, ids):
+  def loss(q, k, v):
+    out = attention_tpu.splash_self_attention(q, k, v, ids, interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize('topology', TOPOLOGIES)
+@pytest.mark.parametrize('length, head_dim', [(1000, 64), (4096, 128)])
+def test_splash_attention_compiles_for_tpu(topology, length, head_dim):
+  """Forward and the fused backward, grouped-query heads (Llama-3.2-1B's
+  32 over 8), segment ids, a length the kernel's tiles do not divide."""
+  target = tpu_aot.TOPOLOGIES[topology]
+  q = S((2, length, 32, head_dim), jnp.bfloat16)
+  kv = S((2, length, 8, head_dim), jnp.bfloat16)
+  compiled = tpu_aot.compile_single_device(
+      splash_value_and_grad, q, kv, kv, S((2, length), jnp.int32),
+      topology=target)
+  assert 'tpu_custom_call' in compiled.as_text()

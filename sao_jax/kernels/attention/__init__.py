@@ -1,0 +1,1 @@
+"""Causal self-attention over packed segments: dense definition, blockwise XLA, splash TPU."""

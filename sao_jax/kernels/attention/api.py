@@ -1,0 +1,116 @@
+"""`self_attention`: causal attention over segments, by implementation, on a mesh.
+
+The one entry the model calls for a full sequence (training, scoring,
+prefill). Implementations are registered by name:
+
+  dense      `reference.dense_self_attention`, the definition: scores
+             `[B, K, G*T, T]` in memory, quadratic in T
+  blockwise  `reference.blockwise_attention`: online softmax in tiles, its
+             own VJP; memory linear in T, on any backend
+  splash     `pallas_tpu.splash_self_attention`: JAX's splash attention
+             Mosaic kernel (interpret mode off TPU); on a mesh it runs per
+             shard under `jax.shard_map` (XLA cannot partition it)
+  auto       splash on TPU; elsewhere blockwise once T exceeds one tile
+             (`reference.DEFAULT_BLOCK`), dense below (where the scores are
+             small and one matmul is fastest)
+
+Decoding one token over a KV cache is linear in the cache already and stays
+with `reference.dense_attention` (the model calls it directly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import jax
+
+from sao_jax import platforms
+from sao_jax import sharding
+from sao_jax.kernels.attention import pallas_tpu
+from sao_jax.kernels.attention import reference
+
+P = jax.sharding.PartitionSpec
+
+_meshes: list = []  # the learner's mesh while it traces a step
+
+
+@contextlib.contextmanager
+def mesh_context(mesh):
+  """Run a Mosaic attention kernel per shard of `mesh` while tracing inside.
+
+  XLA cannot partition a Mosaic custom call, so on a mesh of more than one
+  device the splash kernel runs under `jax.shard_map`; the learner enters
+  this around the steps it traces. Without it the kernel is one call.
+  """
+  _meshes.append(mesh)
+  try:
+    yield
+  finally:
+    _meshes.pop()
+
+
+def _dense(q, k, v, segment_ids):
+  return reference.dense_self_attention(q, k, v, segment_ids)
+
+
+def _blockwise(q, k, v, segment_ids):
+  return reference.blockwise_attention(q, k, v, segment_ids)
+
+
+def _splash(q, k, v, segment_ids):
+  interpret = platforms.target() != 'tpu'
+  mesh = _meshes[-1] if _meshes else None
+  if mesh is None or mesh.size == 1:
+    return pallas_tpu.splash_self_attention(q, k, v, segment_ids, interpret)
+  # Rows over the batch axes; heads over `tensor` where both head counts
+  # divide (else replicated there, as XLA would leave them).
+  tensor = mesh.shape.get('tensor', 1)
+  heads = ('tensor' if tensor > 1 and q.shape[2] % tensor == 0
+           and k.shape[2] % tensor == 0 else None)
+  tokens = P(sharding.BATCH_AXES, None, heads, None)
+  return jax.shard_map(
+      lambda q, k, v, s: pallas_tpu.splash_self_attention(q, k, v, s,
+                                                          interpret),
+      mesh=mesh, in_specs=(tokens, tokens, tokens, P(sharding.BATCH_AXES, None)),
+      out_specs=tokens, check_vma=False)(q, k, v, segment_ids)
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    'dense': _dense,
+    'blockwise': _blockwise,
+    'splash': _splash,
+}
+CHOICES = ('auto',) + tuple(IMPLEMENTATIONS)
+
+
+def resolve(implementation: str, length: int) -> str:
+  """The implementation 'auto' (or a name) stands for at sequence `length`."""
+  if implementation not in CHOICES:
+    raise ValueError(f'attention={implementation!r} is not one of {CHOICES}')
+  if implementation != 'auto':
+    return implementation
+  if platforms.target() == 'tpu':
+    return 'splash'
+  return 'blockwise' if length > reference.DEFAULT_BLOCK else 'dense'
+
+
+def self_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
+                   implementation: str = 'auto'):
+  """Causal attention of each query over its own segment's keys up to it.
+
+  Args:
+    q_BxTxHxD: queries (RoPE applied), H heads.
+    k_BxTxKxD, v_BxTxKxD: K key/value heads (H % K == 0).
+    segment_ids_BxT: int, the row's segments (1, 2, ... for packed
+      trajectories, 1 for an unpacked row's tokens); 0 at padding, which no
+      query attends.
+    implementation: a name of `CHOICES`.
+
+  Returns:
+    `[B, T, H, D]` in the queries' dtype; rows of padding queries are
+    unspecified (finite).
+  """
+  name = resolve(implementation, q_BxTxHxD.shape[1])
+  return IMPLEMENTATIONS[name](q_BxTxHxD, k_BxTxKxD, v_BxTxKxD,
+                               segment_ids_BxT)

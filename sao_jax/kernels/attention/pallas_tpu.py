@@ -1,0 +1,76 @@
+"""Causal self-attention over segments on TPU: JAX's splash attention kernel.
+
+`jax.experimental.pallas.ops.tpu.splash_attention` is the block-sparse flash
+attention MaxText and Tunix run: a causal mask's tiles above the diagonal
+are skipped from a block map built at trace time, segment ids mask within
+tiles, and its VJP is the fused dq/dk/dv kernel. This module only adapts it
+to the model's layout (definition: `reference.dense_self_attention`):
+
+  * grouped-query heads as the kernel's MQA form, vmapped over batch rows
+    and key/value heads: `[G, T, D]` queries over one `[T, D]` key/value
+    head, so K/V are never repeated G times;
+  * T padded to a multiple of 128 (the kernel's lane tile) as id-0 padding;
+  * queries scaled by `D^-1/2` (the kernel leaves scaling to the caller).
+
+The kernel only requires that no query row is fully masked; with ids
+compared for equality a padding query (id 0) attends the padding keys up to
+itself, so none is. Real queries never see id 0, as in the definition.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+LANE = 128
+_BLOCKS = (512, 256, 128)
+
+
+def _block(length: int) -> int:
+  return next(b for b in _BLOCKS if length % b == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(groups: int, length: int, interpret: bool):
+  """The splash MQA kernel for G query heads over causal `length` tokens."""
+  b = _block(length)
+  sizes = splash.BlockSizes(
+      block_q=b, block_kv=b, block_kv_compute=b,
+      block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
+      use_fused_bwd_kernel=True)
+  mask = splash.MultiHeadMask(
+      [splash.CausalMask((length, length)) for _ in range(groups)])
+  return splash.make_splash_mqa_single_device(mask, block_sizes=sizes,
+                                              interpret=interpret)
+
+
+def splash_self_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
+                          interpret: bool = False):
+  """Causal attention over segments, `[B, T, H, D]` out (see module doc)."""
+  b, t, h, d = q_BxTxHxD.shape
+  kv_heads = k_BxTxKxD.shape[2]
+  groups = h // kv_heads
+  padded = -(-t // LANE) * LANE
+  extra = padded - t
+  seg_BxT = jnp.pad(jnp.asarray(segment_ids_BxT).astype(jnp.int32),
+                    ((0, 0), (0, extra)))
+  scaled = (q_BxTxHxD * (d ** -0.5)).astype(q_BxTxHxD.dtype)
+  q_BxKxGxTxD = jnp.pad(
+      scaled.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4),
+      ((0, 0),) * 3 + ((0, extra), (0, 0)))
+  k_BxKxTxD = jnp.pad(k_BxTxKxD.transpose(0, 2, 1, 3),
+                      ((0, 0),) * 2 + ((0, extra), (0, 0)))
+  v_BxKxTxD = jnp.pad(v_BxTxKxD.transpose(0, 2, 1, 3),
+                      ((0, 0),) * 2 + ((0, extra), (0, 0)))
+  kernel = _kernel(groups, padded, interpret)
+
+  def one_row(q_KxGxTxD, k_KxTxD, v_KxTxD, seg_T):
+    ids = splash.SegmentIds(q=seg_T, kv=seg_T)
+    return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(
+        q_KxGxTxD, k_KxTxD, v_KxTxD)
+
+  out = jax.vmap(one_row)(q_BxKxGxTxD, k_BxKxTxD, v_BxKxTxD, seg_BxT)
+  return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
