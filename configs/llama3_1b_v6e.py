@@ -22,9 +22,11 @@ def get_config(arg=None):
   c.model.remat = True
   c.batch_size = 32
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-  # 2k-token trajectories in 4 micro-batches (one row per chip each): 13.7 of
-  # 32 GiB per chip. 4k tokens does not fit (37.5 GiB): attention is not
-  # flash-tiled yet and the critic's value pass takes the whole batch at once.
+  # 2k-token trajectories in 4 micro-batches (one row per chip each). With
+  # splash attention (model.attention='auto' on TPU) 8k tokens take 6.5 GiB
+  # of temporaries per chip and 32k 29.0 (32.0 of 32 GiB with the state: does
+  # not fit yet); the critic's value pass still takes the whole batch at once
+  # (BENCHMARKS.md, planning TPU runs).
   c.optim.microbatches = 4
   c.rollout.max_prefill_length = 1024
   c.rollout.max_target_length = 2048
