@@ -11,7 +11,7 @@ gradient (forward and backward, with respect to inputs and weights) of
   * `mlp`: the SwiGLU block, 3-D `@` against `transformer.dense`;
   * `attention`: scores and mixing with the heads between batch and time
     (`'btkgd,bskd->bkgts'`, the model's layout before issue 15) against the
-    heads-first layout of `transformer.attend`.
+    heads-first layout of `attention.reference.dense_attention`.
 The model uses the faster way of each pair; docs/design/learner_speed.md
 says why. On a new backend this is the first thing to rerun.
 """
@@ -30,6 +30,7 @@ import jax  # pylint: disable=g-bad-import-order
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax.kernels.attention import reference as attention_reference
 from sao_jax.models import transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +64,7 @@ def pairs(shape):
   w_mlp = (normal(d, f) * d ** -0.5, normal(d, f) * d ** -0.5,
            normal(f, d) * f ** -0.5)
   qkv = (normal(b, t, h, hd), normal(b, t, k, hd), normal(b, t, k, hd))
-  mask = transformer.causal_mask(jnp.ones((b, t), bool))
+  mask = attention_reference.self_attention_mask(jnp.ones((b, t), jnp.int32))
 
   def mlp_3d(x, w):
     return (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]
@@ -79,7 +80,8 @@ def pairs(shape):
       'mlp': ((x, w_mlp), {'matmul_3d': mlp_3d, 'dense_2d': mlp_dense}),
       'attention': (qkv, {
           'heads_inner': lambda q, k, v: attend_heads_inner(q, k, v, mask),
-          'heads_first': lambda q, k, v: transformer.attend(q, k, v, mask)}),
+          'heads_first': lambda q, k, v: attention_reference.dense_attention(
+              q, k, v, mask)}),
   }
 
 

@@ -134,16 +134,10 @@ class Attention(nnx.Module):
           c, n.astype(c.dtype), (i, 0, 0)))
       keys = write(cache_k, k_BxTxKxD, write_index_B)
       values = write(cache_v, v_BxTxKxD, write_index_B)
-      out_BxTxHxD = attend(q_BxTxHxD, keys.astype(self.dtype),
-                           values.astype(self.dtype), mask)
+      out_BxTxHxD = attention_reference.dense_attention(
+          q_BxTxHxD, keys.astype(self.dtype), values.astype(self.dtype), mask)
     y_BxTxd = dense(out_BxTxHxD, self.o_proj[...].astype(self.dtype), 2)
     return y_BxTxd, (keys, values)
-
-
-def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-  """Dense softmax attention under an explicit mask (the decode path)."""
-  return attention_reference.dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
-                                             mask_BxTxS)
 
 
 class MLP(nnx.Module):
@@ -239,14 +233,6 @@ def default_positions(tokens_BxT, input_mask_BxT=None):
   if input_mask_BxT is None:
     return jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
   return jnp.maximum(jnp.cumsum(input_mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
-
-
-def causal_mask(input_mask_BxT):
-  """Query t sees key s <= t when s is a real token: `[B, T, T]` bool (the
-  dense form of `attention_mask(input_mask_BxT)` on the real queries)."""
-  t = input_mask_BxT.shape[1]
-  causal_TxT = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-  return causal_TxT[None] & input_mask_BxT.astype(bool)[:, None, :]
 
 
 def attention_mask(input_mask_BxT, segment_ids_BxT=None):

@@ -50,14 +50,6 @@ def mesh_context(mesh):
     _meshes.pop()
 
 
-def _dense(q, k, v, segment_ids):
-  return reference.dense_self_attention(q, k, v, segment_ids)
-
-
-def _blockwise(q, k, v, segment_ids):
-  return reference.blockwise_attention(q, k, v, segment_ids)
-
-
 def _splash(q, k, v, segment_ids):
   interpret = platforms.target() != 'tpu'
   mesh = _meshes[-1] if _meshes else None
@@ -77,8 +69,8 @@ def _splash(q, k, v, segment_ids):
 
 
 IMPLEMENTATIONS: dict[str, Callable] = {
-    'dense': _dense,
-    'blockwise': _blockwise,
+    'dense': reference.dense_self_attention,
+    'blockwise': reference.blockwise_attention,
     'splash': _splash,
 }
 CHOICES = ('auto',) + tuple(IMPLEMENTATIONS)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from sao_jax.kernels.attention import reference
+
 LANE = 128
 _BLOCKS = (512, 256, 128)
 
@@ -50,22 +52,12 @@ def _kernel(groups: int, length: int, interpret: bool):
 def splash_self_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
                           interpret: bool = False):
   """Causal attention over segments, `[B, T, H, D]` out (see module doc)."""
-  b, t, h, d = q_BxTxHxD.shape
-  kv_heads = k_BxTxKxD.shape[2]
-  groups = h // kv_heads
-  padded = -(-t // LANE) * LANE
-  extra = padded - t
-  seg_BxT = jnp.pad(jnp.asarray(segment_ids_BxT).astype(jnp.int32),
-                    ((0, 0), (0, extra)))
+  t, h, d = q_BxTxHxD.shape[1:]
+  groups = h // k_BxTxKxD.shape[2]
   scaled = (q_BxTxHxD * (d ** -0.5)).astype(q_BxTxHxD.dtype)
-  q_BxKxGxTxD = jnp.pad(
-      scaled.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4),
-      ((0, 0),) * 3 + ((0, extra), (0, 0)))
-  k_BxKxTxD = jnp.pad(k_BxTxKxD.transpose(0, 2, 1, 3),
-                      ((0, 0),) * 2 + ((0, extra), (0, 0)))
-  v_BxKxTxD = jnp.pad(v_BxTxKxD.transpose(0, 2, 1, 3),
-                      ((0, 0),) * 2 + ((0, extra), (0, 0)))
-  kernel = _kernel(groups, padded, interpret)
+  q_BxKxGxTxD, k_BxKxTxD, v_BxKxTxD, seg_BxT = reference.tiled_layout(
+      scaled, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, LANE)
+  kernel = _kernel(groups, seg_BxT.shape[1], interpret)
 
   def one_row(q_KxGxTxD, k_KxTxD, v_KxTxD, seg_T):
     ids = splash.SegmentIds(q=seg_T, kv=seg_T)
@@ -73,4 +65,4 @@ def splash_self_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
         q_KxGxTxD, k_KxTxD, v_KxTxD)
 
   out = jax.vmap(one_row)(q_BxKxGxTxD, k_BxKxTxD, v_BxKxTxD, seg_BxT)
-  return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+  return reference.ungroup(out[:, :, :, :t])

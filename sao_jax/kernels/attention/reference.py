@@ -38,16 +38,32 @@ def self_attention_mask(segment_ids_BxT):
   return causal_TxT[None] & same_BxTxT & (ids_BxT > 0)[:, None, :]
 
 
-def _group_queries(q_BxTxHxD, kv_heads: int):
+def group_queries(q_BxTxHxD, kv_heads: int):
   """`[B, T, H, D]` -> `[B, K, G, T, D]`: the G query heads of each kv head."""
   b, t, h, d = q_BxTxHxD.shape
   return q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d).transpose(
       0, 2, 3, 1, 4)
 
 
-def _ungroup(out_BxKxGxTxD):
+def ungroup(out_BxKxGxTxD):
+  """`[B, K, G, T, D]` -> `[B, T, H, D]`, the inverse of `group_queries`."""
   b, k, g, t, d = out_BxKxGxTxD.shape
   return out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, d)
+
+
+def tiled_layout(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
+                 multiple: int):
+  """Heads first (`[B, K, G, T, D]` queries, `[B, K, T, D]` keys/values)
+  and T padded to a multiple of `multiple` as padding (id 0): the layout
+  the tiled implementations (blockwise, splash) work in."""
+  t = q_BxTxHxD.shape[1]
+  extra = -(-t // multiple) * multiple - t
+  time = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, extra), (0, 0)))
+  return (time(group_queries(q_BxTxHxD, k_BxTxKxD.shape[2])),
+          time(k_BxTxKxD.transpose(0, 2, 1, 3)),
+          time(v_BxTxKxD.transpose(0, 2, 1, 3)),
+          jnp.pad(jnp.asarray(segment_ids_BxT).astype(jnp.int32),
+                  ((0, 0), (0, extra))))
 
 
 def dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
@@ -62,7 +78,7 @@ def dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
   b, t, h, d = q_BxTxHxD.shape
   kv_heads = k_BxSxKxD.shape[2]
   groups = h // kv_heads
-  q_BxKxQxD = _group_queries(q_BxTxHxD, kv_heads).reshape(
+  q_BxKxQxD = group_queries(q_BxTxHxD, kv_heads).reshape(
       b, kv_heads, groups * t, d)
   k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3)
   v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3)
@@ -73,7 +89,7 @@ def dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
                                _NEG_INF)
   probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxD.dtype)
   out = jnp.einsum('bkqs,bksd->bkqd', probs.reshape(scores.shape), v_BxKxSxD)
-  return _ungroup(out.reshape(b, kv_heads, groups, t, d))
+  return ungroup(out.reshape(b, kv_heads, groups, t, d))
 
 
 def dense_self_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT):
@@ -93,22 +109,12 @@ def blockwise_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
   so the work is about half the dense product's. T is padded to a multiple
   of `block` (as padding, id 0) and the padding sliced off.
   """
-  b, t, h, d = q_BxTxHxD.shape
-  kv_heads = k_BxTxKxD.shape[2]
+  t = q_BxTxHxD.shape[1]
   block = min(block, t)
-  padded = -(-t // block) * block
-  seg_BxT = jnp.asarray(segment_ids_BxT).astype(jnp.int32)
-  q_BxKxGxTxD = _group_queries(q_BxTxHxD, kv_heads)
-  k_BxKxTxD = k_BxTxKxD.transpose(0, 2, 1, 3)
-  v_BxKxTxD = v_BxTxKxD.transpose(0, 2, 1, 3)
-  if padded != t:
-    extra = padded - t
-    q_BxKxGxTxD = jnp.pad(q_BxKxGxTxD, ((0, 0),) * 3 + ((0, extra), (0, 0)))
-    k_BxKxTxD = jnp.pad(k_BxKxTxD, ((0, 0),) * 2 + ((0, extra), (0, 0)))
-    v_BxKxTxD = jnp.pad(v_BxKxTxD, ((0, 0),) * 2 + ((0, extra), (0, 0)))
-    seg_BxT = jnp.pad(seg_BxT, ((0, 0), (0, extra)))
-  out = _flash(q_BxKxGxTxD, k_BxKxTxD, v_BxKxTxD, seg_BxT, block)
-  return _ungroup(out[:, :, :, :t])
+  q, k, v, seg_BxT = tiled_layout(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD,
+                                  segment_ids_BxT, block)
+  out = _flash(q, k, v, seg_BxT, block)
+  return ungroup(out[:, :, :, :t])
 
 
 def _tile(x, index, block: int, axis: int):
