@@ -304,8 +304,7 @@ class Learner:
       # The returns do not depend on V; the loss never reads old values.
       values_for_returns = zeros_BxT
     else:
-      values_for_returns = algorithms.critic_values(self.critic_model(state),
-                                                    batch)
+      values_for_returns = self._values(self.critic_model(state), batch)
     _, returns = algorithms.gae(cfg, batch, values_for_returns,
                                 cfg.critic.lam, self.mesh)
     returns = jax.lax.stop_gradient(returns)
@@ -386,6 +385,20 @@ class Learner:
     return self._critic_updates(state, batch, 1, 1, self.pretrain_critic_tx,
                                 rate(state.critic_step))[:2]
 
+  def _values(self, critic, batch):
+    """V_phi `[B, T]` of the batch, a micro-batch at a time (no gradient)."""
+    return jax.lax.stop_gradient(map_microbatches(
+        lambda rows: algorithms.critic_values(critic, rows),
+        types.row_fields(batch), self.config.optim.microbatches))
+
+  def _logprobs(self, policy, batch):
+    """log pi `[B, T]` of the batch's tokens under `policy`, a micro-batch
+    at a time (no gradient): the proximal, reference and parity passes."""
+    return jax.lax.stop_gradient(map_microbatches(
+        lambda rows: algorithms.policy_logprobs(
+            policy, rows, self.sampling, chunk_size=self.logits_chunk)[0],
+        types.row_fields(batch), self.config.optim.microbatches))
+
   def _minibatch(self, data, version, update, minibatches: int,
                  stream: int = 0):
     """Mini-batch `update % M` of pass `update // M` over `data`'s rows.
@@ -422,7 +435,7 @@ class Learner:
       # very batch the baseline has regressed onto each trajectory's own
       # return, and A = R - V shrinks towards 0.
       if cfg.advantage.values_from == 'post_update':
-        values = algorithms.critic_values(self.critic_model(state), batch)
+        values = self._values(self.critic_model(state), batch)
     adv, running_mean = self.algorithm.estimator.advantages(
         cfg, batch, values, state.running_mean, self.mesh)
     if cfg.advantage.normalize:
@@ -437,13 +450,10 @@ class Learner:
     # mini-batches take rows, so the per-trajectory fields stay behind.
     data = {'batch': types.row_fields(batch), 'advantages_BxT': adv}
     if self.algorithm.needs_proximal_logprobs:
-      data['prox_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
-          self.policy_model(state), batch, self.sampling,
-          chunk_size=self.logits_chunk)[0])
+      data['prox_logp_BxT'] = self._logprobs(self.policy_model(state), batch)
     if self.uses_ref_policy:
-      data['ref_logp_BxT'] = jax.lax.stop_gradient(algorithms.policy_logprobs(
-          nnx.merge(self._policy_def, state.ref_policy), batch,
-          self.sampling, chunk_size=self.logits_chunk)[0])
+      data['ref_logp_BxT'] = self._logprobs(
+          nnx.merge(self._policy_def, state.ref_policy), batch)
     policy, actor_opt, policy_metrics, old_logp = self._policy_updates(
         state, data)
     metrics.update({f'policy/{k}': v for k, v in policy_metrics.items()})
@@ -453,9 +463,7 @@ class Learner:
     if 'prox_logp_BxT' in data:
       old_logp = data['prox_logp_BxT']
     elif old_logp is None:
-      old_logp = jax.lax.stop_gradient(algorithms.policy_logprobs(
-          self.policy_model(state), batch, self.sampling,
-          chunk_size=self.logits_chunk)[0])
+      old_logp = self._logprobs(self.policy_model(state), batch)
     parity = logprob_parity.parity_metrics(
         old_logp, batch.behavior_logprobs_BxT, batch.action_mask_BxT,
         state.step - batch.versions_BxT, cfg.rollout.max_staleness)
@@ -605,25 +613,49 @@ def _accumulate(loss_fn, params, data, microbatches: int, shardings):
   if microbatches == 1:
     grads, aux = grad_fn(params, data)
     return pin(grads), aux
-  # Strided, not contiguous: micro-batch m is rows m, m + M, m + 2M, ... so
-  # that each takes the same number of rows from every batch shard (the rows
-  # are sharded in contiguous blocks) and no micro-batch idles devices.
-  split = jax.tree.map(
-      lambda x: jnp.swapaxes(
-          x.reshape((x.shape[0] // microbatches, microbatches)
-                    + x.shape[1:]), 0, 1), data)
 
   def body(summed, micro):
     grads, aux = grad_fn(params, micro)
     return pin(jax.tree.map(jnp.add, summed, pin(grads))), aux
 
   zeros = pin(jax.tree.map(jnp.zeros_like, params))
-  grads, (metrics_M, rows_M, share_M) = jax.lax.scan(body, zeros, split)
+  grads, (metrics_M, rows_M, share_M) = jax.lax.scan(
+      body, zeros, _split_rows(data, microbatches))
   metrics = _reduce_metrics(metrics_M, share_M)
-  # Undo the strided split: [M, B/M, ...] -> [B, ...].
-  rows = jax.tree.map(
-      lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), rows_M)
-  return grads, (metrics, rows, jnp.sum(share_M))
+  return grads, (metrics, _merge_rows(rows_M), jnp.sum(share_M))
+
+
+def _split_rows(tree, microbatches: int):
+  """`[B, ...]` leaves -> `[M, B/M, ...]`, micro-batch m = rows m, m + M, ...
+
+  Strided, not contiguous, so that each micro-batch takes the same number of
+  rows from every batch shard (the rows are sharded in contiguous blocks) and
+  none idles devices.
+  """
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(
+          x.reshape((x.shape[0] // microbatches, microbatches)
+                    + x.shape[1:]), 0, 1), tree)
+
+
+def _merge_rows(tree_M):
+  """`_split_rows` undone: `[M, B/M, ...]` -> `[B, ...]` in the row order."""
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), tree_M)
+
+
+def map_microbatches(fn, data, microbatches: int):
+  """`fn(data)` computed `microbatches` row blocks at a time (`lax.map`).
+
+  For the forward-only passes over a whole batch (the critic's values, the
+  proximal and reference log-probs): one micro-batch's activations are live
+  at a time, as in the gradient passes, instead of the whole batch's. `fn`
+  maps rows to rows (`[b, ...]` leaves in, `[b, ...]` leaves out), so the
+  result equals `fn(data)`.
+  """
+  if microbatches == 1:
+    return fn(data)
+  return _merge_rows(jax.lax.map(fn, _split_rows(data, microbatches)))
 
 
 def _global_array(local, target_sharding):

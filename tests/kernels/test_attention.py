@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sao_jax.kernels.attention import api
+from sao_jax.kernels.attention import pallas_tpu
 from sao_jax.kernels.attention import reference
 from sao_jax.models import tiny
 from sao_jax.models import transformer
@@ -138,10 +139,15 @@ def test_blockwise_memory_is_linear_in_length():
 
 
 @pytest.mark.slow
-def test_splash_interpret_matches_the_definition():
+@pytest.mark.parametrize('fused', [True, False])
+def test_splash_interpret_matches_the_definition(fused):
+  """Both backward kernels: the fused one, and the separate dq kernel that
+  long sequences take."""
   q, k, v, ids, cot = inputs(3, 200, heads=4, kv_heads=2, head_dim=128)
   assert_matches_definition(
-      lambda *a: api.IMPLEMENTATIONS['splash'](*a), q, k, v, ids, cot, 1e-5)
+      lambda *a: pallas_tpu.splash_self_attention(*a, interpret=True,
+                                                  fused=fused),
+      q, k, v, ids, cot, 1e-5)
 
 
 def test_auto_picks_by_platform_and_length():
