@@ -313,6 +313,12 @@ def get_config(arg=None):
   c.rollout.dtype = ''
   c.rollout.max_prefill_length = 128  # a JetStream padding bucket
   c.rollout.max_target_length = 160  # KV cache per slot: prompt + generation
+  # Device memory per server for finished rows' keys/values: a multi-turn
+  # episode's next turn extends its last and prefills only the new tokens
+  # (LRU, invalidated by a weight swap). 0: off, every turn prefills whole;
+  # off here because single-turn tasks never reuse a row (multi-turn
+  # recipes, e.g. llama3_8b_agent_32k.py, turn it on).
+  c.rollout.prefix_cache_gib = 0.0
   # GRPO groups of single-turn tasks as one request with samples_per_slot = G
   # (one prefill for the group); multi-turn episodes need separate requests.
   c.rollout.group_in_one_request = False

@@ -25,4 +25,7 @@ def get_config(arg=None):
   c.rollout.max_target_length = 32768
   c.rollout.max_sequence_length = 32768
   c.rollout.max_new_tokens = 4096  # per model turn
+  # Each turn prefills only what the environment appended: a 32k-token row
+  # of the 8B model is 4 GiB of keys/values (bf16), so 4 episodes kept.
+  c.rollout.prefix_cache_gib = 16.0
   return c

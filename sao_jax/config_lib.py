@@ -259,6 +259,7 @@ def validate(config: ml_collections.ConfigDict,
   check.open_interval('rollout.max_abs_reward', 0, float('inf'))
   check.positive_int('rollout.num_workers')
   check.positive_int('rollout.max_concurrent_decodes')
+  check.non_negative('rollout.prefix_cache_gib')
   check.positive_int('rollout.max_in_flight_per_server')
   check.positive_int('rollout.max_new_tokens')
   check.non_negative_int('rollout.max_retries')

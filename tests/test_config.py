@@ -74,6 +74,7 @@ def test_presets_follow_the_paper():
     ('rollout.max_sequence_length', 4096, r'max_sequence_length=4096 must be <= config.rollout.max_target_length=160'),
     ('kernels.implementation', 'cuda', r"config.kernels.implementation='cuda' is not one of"),
     ('model.attention', 'flash', r"config.model.attention='flash' is not one of auto, dense, blockwise, splash"),
+    ('rollout.prefix_cache_gib', -1.0, r'config.rollout.prefix_cache_gib=-1.0 must be >= 0'),
     ('rollout.param_dtype', 'float16', r"config.rollout.param_dtype='float16' is not one of , float32, bfloat16"),
     ('rollout.dtype', 'float16', r"config.rollout.dtype='float16' is not one of , float32, bfloat16"),
     ('eval.temperature', -0.5, r'config.eval.temperature=-0.5 must be >= 0'),

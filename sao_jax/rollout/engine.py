@@ -23,6 +23,18 @@ the engine reads on every call (the orchestrator captures `params` once per
 thread, which would pin the first weights forever), swapped atomically by the
 admin service.
 
+Multi-turn episodes send each turn as the whole conversation so far. When a
+row finishes (or its slot is reused), its tokens and keys/values go to a
+`prefix_cache.PrefixCache` (`EngineConfig.prefix_cache_bytes`), and a
+prefill whose prompt extends a kept row under the same policy version runs
+the model over the new tokens only, attending to the kept keys/values; a
+weight swap invalidates what is kept. With the cache on, `generate` waits
+for the step it dispatched to learn which rows it ended (an `[N]` bool), so
+that a row is kept before its client can send the next turn, even when the
+engine then goes idle: the next step is dispatched a host round trip later
+than JetStream would (sub-millisecond against a decode step's
+milliseconds); with it off (`prefix_cache_bytes=0`) nothing waits.
+
 A slot that samples a stop token still emits it (the client sees EOS), then
 turns invalid on the next step, which is how the orchestrator learns it is
 complete: JetStream's own stop-token check would also fire on the log-prob and
@@ -49,6 +61,7 @@ from sao_jax.models import sampling
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import prefix_cache
 from sao_jax.rollout import wire
 
 engine_api = jetstream_compat.engine_api
@@ -78,6 +91,8 @@ class EngineConfig:
       folded into the sampling key so that servers draw different streams.
     restart: how many times the run was restarted (from a checkpoint), folded
       in too so that a resumed run does not replay the samples it drew before.
+    prefix_cache_bytes: device memory for finished rows' keys/values, reused
+      by the prefills of later turns (0: off).
   """
   max_concurrent_decodes: int = 8
   samples_per_slot: int = 1
@@ -88,6 +103,7 @@ class EngineConfig:
   seed: int = 0
   server_index: int = 0
   restart: int = 0
+  prefix_cache_bytes: int = 0
 
   def __post_init__(self):
     if self.max_prefill_length not in PREFILL_BUCKETS:
@@ -104,6 +120,9 @@ class EngineConfig:
     if self.server_index < 0 or self.restart < 0:
       raise ValueError(f'server_index={self.server_index} and restart='
                        f'{self.restart} must be >= 0')
+    if self.prefix_cache_bytes < 0:
+      raise ValueError(f'prefix_cache_bytes={self.prefix_cache_bytes} must be'
+                       ' >= 0')
 
 
 class WeightsHolder:
@@ -208,6 +227,12 @@ class Engine(engine_api.Engine):
     self.weights = WeightsHolder(self._place(state), version)
     self._pad_id = _TokenIds(tok).pad_id
     self._stop_ids = tuple(int(s) for s in config.stop_ids)
+    self.prefix_cache = prefix_cache.PrefixCache(config.prefix_cache_bytes)
+    # Rows (generate-thread bookkeeping) whose content is not kept yet.
+    self._unsaved: set[int] = set()
+    self._emitted: list = []  # per-step device counts, folded lazily
+    self._emitted_total = 0
+    self._emitted_lock = threading.Lock()
 
   # -- weights -----------------------------------------------------------
 
@@ -246,21 +271,64 @@ class Engine(engine_api.Engine):
     padded = np.full((1, bucket), self._pad_id, np.int32)
     padded[0, :len(real)] = real
     state, version = self.weights.get()
-    return _prefill(self._graphdef, state, padded,
-                    np.int32(max(len(real), 1)), np.int32(version),
+    length = np.int32(max(len(real), 1))
+    if self.prefix_cache.enabled and not too_long and len(real) > 1:
+      entry, reuse = self.prefix_cache.lookup(real, version)
+      if entry is not None:
+        count = len(real) - reuse
+        suffix = np.full((1, _bucket(count, bucket)), self._pad_id, np.int32)
+        suffix[0, :count] = real[reuse:]
+        self.prefix_cache.count_prefill(count, reuse)
+        return _prefill_reusing(self._graphdef, state, entry.kv, padded,
+                                suffix, np.int32(reuse), np.int32(count),
+                                length, np.int32(version), np.bool_(False))
+    self.prefix_cache.count_prefill(len(real), 0)
+    return _prefill(self._graphdef, state, padded, length, np.int32(version),
                     np.bool_(too_long))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState,
              slot: int) -> DecodeState:
-    return _insert(self.config.samples_per_slot, prefix, decode_state,
-                   np.int32(slot))
+    g = self.config.samples_per_slot
+    rows = range(slot * g, (slot + 1) * g)
+    if self.prefix_cache.enabled:
+      # The slot's last occupant, before its rows are overwritten.
+      self._save_rows(decode_state, [r for r in rows if r in self._unsaved])
+    decode_state = _insert(g, prefix, decode_state, np.int32(slot))
+    if self.prefix_cache.enabled and not bool(np.asarray(prefix.too_long)):
+      self._unsaved.update(rows)
+    return decode_state
+
+  def _save_rows(self, ds: DecodeState, rows) -> None:
+    """Keeps rows' tokens and keys/values in the prefix cache (before `ds`
+    is donated: called on the generate thread, which owns it)."""
+    if not rows:
+      return
+    positions = np.asarray(ds.positions)
+    versions = np.asarray(ds.logits_version)
+    tokens = np.asarray(ds.tokens)
+    for row in rows:
+      self._unsaved.discard(row)
+      length = int(positions[row])
+      if length < 1:
+        continue
+      kv = _take_row(_bucket(length, self.config.max_target_length),
+                     ds.cache, np.int32(row))
+      self.prefix_cache.save(tokens[row, :length], kv, int(versions[row]),
+                             kv.k.nbytes + kv.v.nbytes)
 
   def generate(self, params, decode_state: DecodeState):
     del params
     state, version = self.weights.get()
-    decode_state, data = _generate(
+    decode_state, data, inactive_N, emitted = _generate(
         self._graphdef, self.config.sampling, self._stop_ids,
         self.config.max_target_length, state, np.int32(version), decode_state)
+    self._count_emitted(emitted)
+    if self.prefix_cache.enabled and self._unsaved:
+      # Rows this step ended, kept before the client can send its next turn
+      # (waits for the step: see the module docstring).
+      inactive = np.asarray(inactive_N)
+      self._save_rows(decode_state, [row for row in self._unsaved
+                                     if inactive[row]])
     rows = data.shape[0]
     return decode_state, engine_api.ResultTokens(
         data=data,
@@ -269,8 +337,34 @@ class Engine(engine_api.Engine):
         length_idx=(2 * wire.NUM_COLUMNS, 2 * wire.NUM_COLUMNS + 1),
         samples_per_slot=rows // self.config.max_concurrent_decodes)
 
+  def _count_emitted(self, emitted) -> None:
+    with self._emitted_lock:
+      self._emitted.append(emitted)
+      if len(self._emitted) > 64:  # long done: reading them never waits
+        self._emitted_total += int(sum(np.asarray(e)
+                                       for e in self._emitted[:32]))
+        del self._emitted[:32]
+
+  def generated_tokens(self) -> int:
+    """Tokens sampled since the engine started (every row, every step)."""
+    with self._emitted_lock:
+      return self._emitted_total + int(sum(np.asarray(e)
+                                           for e in self._emitted))
+
+  def prefill_status(self) -> dict:
+    """The prefix cache's counters and the prefill work per sampled token."""
+    status = self.prefix_cache.status()
+    generated = self.generated_tokens()
+    status['generated_tokens'] = generated
+    status['prefilled_tokens_per_generated_token'] = (
+        status['prefilled_tokens'] / generated if generated else None)
+    return status
+
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs
+    # A fresh decode state (also after a generate loop restart) holds no
+    # row worth keeping.
+    self._unsaved.clear()
     cfg = self.config
     rows = cfg.max_concurrent_decodes * cfg.samples_per_slot
     return DecodeState(
@@ -322,6 +416,72 @@ def _prefill(graphdef, state, tokens_1xP, length, version, too_long) -> Prefix:
   model = nnx.merge(graphdef, state)
   logits_1xV, cache = decoding.prefill(model, tokens_1xP, length[None])
   return Prefix(tokens_1xP, cache, logits_1xV, length, version, too_long)
+
+
+def _bucket(length: int, cap: int) -> int:
+  """The smallest padding bucket holding `length` tokens, at most `cap`."""
+  return min(next((b for b in PREFILL_BUCKETS if b >= length),
+                  PREFILL_BUCKETS[-1]), cap)
+
+
+# A reused prefill runs its new tokens this many at a time: the scores of a
+# chunk over the kept cache are `[H, chunk, P]`, not `[H, T, P]`.
+_EXTEND_CHUNK = 256
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill_reusing(graphdef, state, kept: decoding.KVCache, tokens_1xP,
+                     suffix_1xQ, start, count, length, version,
+                     too_long) -> Prefix:
+  """A prefill whose first `start` positions come from a kept row.
+
+  Runs the model over the `count` new tokens (`suffix_1xQ`, right-padded) at
+  positions `start, start + 1, ...`, attending to the kept keys/values
+  below `start` and causally among themselves: what `_prefill` computes for
+  the whole prompt, with the prefix's work skipped. The cache it returns
+  has the prompt's bucket length P, as `_prefill`'s does.
+  """
+  model = nnx.merge(graphdef, state)
+  prompt_len, suffix_len = tokens_1xP.shape[1], suffix_1xQ.shape[1]
+  # Room for the whole padded suffix past any start < P: a write that ran
+  # past the end would be clamped (shifted) by dynamic_update_slice.
+  width = prompt_len + suffix_len
+  layers, _, kept_len, heads, dim = kept.k.shape
+
+  def work(c):
+    c = c[:, :, :min(kept_len, width)]
+    return jnp.zeros((layers, 1, width, heads, dim), c.dtype).at[
+        :, :, :c.shape[2]].set(c)
+
+  chunk = min(_EXTEND_CHUNK, suffix_len)  # both powers of 2: it divides
+
+  def one_chunk(cache, i):
+    first = start + i * chunk
+    tokens_1xC = jax.lax.dynamic_slice_in_dim(suffix_1xQ, i * chunk, chunk, 1)
+    positions_1xC = (first + jnp.arange(chunk))[None]
+    mask_1xCxW = (jnp.arange(width)[None, None]
+                  <= positions_1xC[:, :, None])
+    hidden_1xCxd, cache = model.decoder(tokens_1xC, positions_1xC,
+                                        mask_1xCxW, cache=cache,
+                                        write_index_B=first[None])
+    return cache, hidden_1xCxd[0]
+
+  (k, v), hidden_NxCxd = jax.lax.scan(one_chunk, (work(kept.k), work(kept.v)),
+                                      jnp.arange(suffix_len // chunk))
+  last_d = hidden_NxCxd.reshape(suffix_len, -1)[count - 1]
+  logits_1xV = model.logits(last_d[None, None])[:, 0]
+  cache = decoding.KVCache(k[:, :, :prompt_len], v[:, :, :prompt_len])
+  return Prefix(tokens_1xP, cache, logits_1xV, length, version, too_long)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _take_row(length: int, cache: decoding.KVCache, row) -> decoding.KVCache:
+  """Row `row`'s keys/values at positions `[0, length)`: `[L, 1, length, K,
+  D]`, a copy (the decode state's buffers are donated every step)."""
+  def take(c):
+    return jax.lax.dynamic_slice(
+        c, (0, row, 0, 0, 0), (c.shape[0], 1, length) + c.shape[3:])
+  return decoding.KVCache(take(cache.k), take(cache.v))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -390,7 +550,9 @@ def _generate(graphdef, params, stop_ids, cache_len, state, version,
   # ResultTokens: the wire columns, a validity flag per column, the length.
   data = jnp.stack(columns + [valid] * wire.NUM_COLUMNS
                    + [new.generated + marker_N], axis=1)
-  return new, data
+  # For the prefix cache: which rows this step left done, and the number of
+  # tokens it sampled.
+  return new, data, ~new.active, jnp.sum(emit_N.astype(jnp.int32))
 
 
 def sampling_key(config: EngineConfig) -> jax.Array:
@@ -416,7 +578,8 @@ def engine_config(config, tok: tokenizer_lib.Tokenizer, server_index: int = 0,
       stop_ids=tuple(tok.stop_ids),
       seed=config.seed,
       server_index=server_index,
-      restart=restart)
+      restart=restart,
+      prefix_cache_bytes=int(r.get('prefix_cache_gib', 0.0) * 2**30))
 
 
 def serving_dtype(config) -> str:

@@ -191,6 +191,8 @@ class RolloutServer:
         'top_k': cfg.sampling.top_k,
         'top_p': cfg.sampling.top_p,
         'generate_loop_restarts': jetstream_compat.GENERATE_LOOP_RESTARTS,
+        # Prefill work saved by keeping finished rows' keys/values.
+        'prefix_cache': self.engine.prefill_status(),
         'live': self._driver.live,
     }
 

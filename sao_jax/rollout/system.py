@@ -329,6 +329,7 @@ class RolloutSystem:
     server restarts), each to be logged under its section's prefix."""
     rollout = dict(self._runner.stats())
     rollout.update(self._publisher.counters)
+    rollout.update(self._publisher.prefill_metrics())
     rollout['rollout_version'] = float(self._rollout_version)
     if self._supervisor is not None:
       rollout.update(self._supervisor.stats())

@@ -204,6 +204,29 @@ class WeightPublisher:
     # A settings mismatch found by `catch_up` (in the pool's monitor); the
     # trainer raises it in its own thread.
     self.mismatch: SettingsMismatch | None = None
+    # Each server's prefill counters (`Status['prefix_cache']`), as of the
+    # last health check this publisher made.
+    self.prefill_counters: dict[str, dict] = {}
+
+  def _record(self, address: str, status) -> None:
+    if isinstance(status, dict) and isinstance(status.get('prefix_cache'),
+                                               dict):
+      self.prefill_counters[address] = status['prefix_cache']
+
+  def prefill_metrics(self) -> dict[str, float]:
+    """Prefill work over the servers: tokens prefilled, tokens whose keys
+    and values a kept row supplied, and prefilled per generated token."""
+    totals = {k: sum(float(c.get(k) or 0) for c in
+                     self.prefill_counters.values())
+              for k in ('prefilled_tokens', 'reused_tokens',
+                        'generated_tokens')}
+    if not self.prefill_counters:
+      return {}
+    return {'prefilled_tokens': totals['prefilled_tokens'],
+            'prefix_reused_tokens': totals['reused_tokens'],
+            'prefilled_tokens_per_generated_token': (
+                totals['prefilled_tokens'] / totals['generated_tokens']
+                if totals['generated_tokens'] else 0.0)}
 
   def set_current(self, path: str, version: int) -> None:
     """Records that `path` holds `version`, without sending it anywhere."""
@@ -219,7 +242,8 @@ class WeightPublisher:
   async def _load(self, address: str) -> int:
     """Health check, then `UpdateWeights` of the current version."""
     path, version = self.current
-    await self._call(address, 'Status', {}, self._health_timeout_s)
+    self._record(address, await self._call(address, 'Status', {},
+                                           self._health_timeout_s))
     await self._call(address, 'UpdateWeights',
                      {'path': path, 'version': version}, self._push_timeout_s)
     # Acknowledgements only move forward: a slow load of an older version
@@ -269,6 +293,7 @@ class WeightPublisher:
       status = await self._call(address, 'Status', {}, self._health_timeout_s)
     except grpc.RpcError:
       return False
+    self._record(address, status)
     if self._sampling is not None:
       theirs = {k: status.get(k) for k in SAMPLING_KEYS}
       if any(_differs(theirs[k], self._sampling[k]) for k in SAMPLING_KEYS):
