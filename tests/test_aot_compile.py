@@ -67,3 +67,22 @@ def test_mesh_that_does_not_fit_is_one_line_error():
       env=env, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode != 0
   assert 'mesh' in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+def test_a_servers_prefill_compiles_for_v5e_tensor_parallel():
+  """The engine's prefill through splash attention, heads split over 4
+  chips; the decode state and prefix cache counted from the shapes."""
+  from sao_jax.tools import aot_compile  # pylint: disable=g-import-not-at-top
+  config = tiny_config()
+  config.rollout.max_prefill_length = 1024
+  config.rollout.max_target_length = 2048
+  config.rollout.prefix_cache_gib = 1.0
+  report = aot_compile.compile_engine_prefill(config, 'v5e:2x2')
+  cfg = pretrained.abstract_model('tiny-random').config
+  split = 4 if cfg.num_kv_heads % 4 == 0 else 1
+  per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+  assert report.decode_state_bytes_per_device == (
+      config.rollout.max_concurrent_decodes * 2048 * per_token // split)
+  assert report.prefix_cache_bytes_per_device == 2**30 // split
+  assert report.temp_bytes_per_device > 0 and report.fits
+  assert 'prefill of 1024 tokens' in aot_compile.format_prefill_report(report)

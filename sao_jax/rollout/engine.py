@@ -55,6 +55,7 @@ from flax import nnx
 
 from sao_jax import config_lib
 from sao_jax import sharding
+from sao_jax.kernels.attention import api as attention_api
 from sao_jax.models import decoding
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
@@ -283,8 +284,11 @@ class Engine(engine_api.Engine):
                                 suffix, np.int32(reuse), np.int32(count),
                                 length, np.int32(version), np.bool_(False))
     self.prefix_cache.count_prefill(len(real), 0)
-    return _prefill(self._graphdef, state, padded, length, np.int32(version),
-                    np.bool_(too_long))
+    # On several chips a Mosaic attention kernel runs per shard (heads over
+    # `tensor`); the context is read when a call traces.
+    with attention_api.mesh_context(self._mesh):
+      return _prefill(self._graphdef, state, padded, length,
+                      np.int32(version), np.bool_(too_long))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState,
              slot: int) -> DecodeState:
@@ -319,9 +323,11 @@ class Engine(engine_api.Engine):
   def generate(self, params, decode_state: DecodeState):
     del params
     state, version = self.weights.get()
-    decode_state, data, inactive_N, emitted = _generate(
-        self._graphdef, self.config.sampling, self._stop_ids,
-        self.config.max_target_length, state, np.int32(version), decode_state)
+    with attention_api.mesh_context(self._mesh):  # the refresh's prefill
+      decode_state, data, inactive_N, emitted = _generate(
+          self._graphdef, self.config.sampling, self._stop_ids,
+          self.config.max_target_length, state, np.int32(version),
+          decode_state)
     self._count_emitted(emitted)
     if self.prefix_cache.enabled and self._unsaved:
       # Rows this step ended, kept before the client can send its next turn
