@@ -106,10 +106,11 @@ def main():
     print(f'T = {length} ...', flush=True)
     rows.append(measure(cfg, length, 2 if args.quick else args.rounds,
                         args.max_dense_gib))
-  result = {'shape': 'tiny_qwen2', 'rows_per_batch': 1, 'rows': rows,
-            'date': time.strftime('%Y-%m-%d'), 'machine': platform.node(),
-            'cpus': os.cpu_count(), 'jax': jax.__version__}
-  learner_bench.write_result(args.out, result, table(rows))
+    # After every length: a long sweep that stops keeps what it measured.
+    result = {'shape': 'tiny_qwen2', 'rows_per_batch': 1, 'rows': rows,
+              'date': time.strftime('%Y-%m-%d'), 'machine': platform.node(),
+              'cpus': os.cpu_count(), 'jax': jax.__version__}
+    learner_bench.write_result(args.out, result, table(rows))
 
 
 if __name__ == '__main__':

@@ -335,6 +335,12 @@ def validate(config: ml_collections.ConfigDict,
           f' rows from each of the {shards} data-parallel shards (batch_size'
           f' a multiple of {shards * parts})')
 
+  sequence = mesh.get(sharding.SEQUENCE_AXIS, 1) if mesh else 1
+  length = check.get('rollout.max_sequence_length')
+  if sequence > 1 and isinstance(length, int) and length % sequence:
+    problems.append(
+        f'config.rollout.max_sequence_length={length} must be a multiple of'
+        f' config.mesh.sequence={sequence} (each row\'s tokens split evenly)')
   # Packed rows split as the batch's trajectories do (the lcm above).
   _check_packing(config, check, problems, mesh,
                  row_parts=(minibatches or 1) * (microbatches or 1))

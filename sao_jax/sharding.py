@@ -1,9 +1,11 @@
 """Device-mesh layout from config.
 
-The learner's mesh has three named axes: `data` (pure data parallelism),
-`fsdp` (data parallelism with parameters and optimizer state sharded over it)
-and `tensor` (model parallelism inside a layer). The batch is split over
-`data x fsdp`.
+The learner's mesh has four named axes: `data` (pure data parallelism),
+`fsdp` (data parallelism with parameters and optimizer state sharded over it),
+`sequence` (context parallelism: the tokens of a row split over devices, for
+trajectories one chip cannot hold) and `tensor` (model parallelism inside a
+layer). Batch rows are split over `data x fsdp`, their tokens over
+`sequence`. `sequence` may be left out of a mesh config (size 1).
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+# `tensor` last: the innermost axis gets the closest devices.
+MESH_AXES = ('data', 'fsdp', 'sequence', 'tensor')
 # Axes over which the global batch is split.
 BATCH_AXES = ('data', 'fsdp')
+# The axis over which a row's tokens are split.
+SEQUENCE_AXIS = 'sequence'
+# Axes a config may leave out, and the size they then have.
+OPTIONAL_AXES = {'sequence': 1}
 
 
 def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -34,6 +41,7 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, in
   Raises:
     ValueError: naming `config.mesh` when the sizes cannot cover the devices.
   """
+  mesh_config = {**OPTIONAL_AXES, **mesh_config}
   missing = [a for a in MESH_AXES if a not in mesh_config]
   extra = [a for a in mesh_config if a not in MESH_AXES]
   if missing or extra:
@@ -132,9 +140,12 @@ def state_shardings(state, mesh, rules=DEFAULT_RULES):
 
 
 def make_mesh(sizes, devices=None):
-  """A `jax.sharding.Mesh` with the `MESH_AXES` at the resolved `sizes`."""
+  """A `jax.sharding.Mesh` with the `MESH_AXES` at the resolved `sizes`
+  (an axis of `OPTIONAL_AXES` left out has its default size)."""
   devices = jax.devices() if devices is None else devices
+  sizes = {**OPTIONAL_AXES, **sizes}
   shape = tuple(sizes[a] for a in MESH_AXES)
   grid = np.asarray(devices).reshape(shape)
   return jax.sharding.Mesh(grid, MESH_AXES,
-                           axis_types=(jax.sharding.AxisType.Auto,) * 3)
+                           axis_types=(jax.sharding.AxisType.Auto,)
+                           * len(MESH_AXES))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import sharding
 from sao_jax.rl import algorithms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,12 +28,12 @@ def test_config_files_document_their_command_and_validate(path):
       f'{path}: the module docstring must give the command that runs it')
   assert module.get_config.__doc__
   config = module.get_config()
-  sizes = [config.mesh[axis] for axis in ('data', 'fsdp', 'tensor')]
+  sizes = [config.mesh.get(axis, 1) for axis in sharding.MESH_AXES]
   # A pod preset fixes its mesh (checked on its own device count); the rest
   # fill whatever there is (checked on the 8 test devices).
   devices = int(np.prod(sizes)) if min(sizes) > 0 else 8
   mesh = config_lib.validate(config, num_devices=devices)
-  assert mesh['data'] * mesh['fsdp'] * mesh['tensor'] == devices
+  assert int(np.prod(list(mesh.values()))) == devices
 
 
 @pytest.mark.parametrize('algorithm', list(algorithms.ALGORITHMS))
@@ -166,6 +167,18 @@ def test_validate_reports_every_problem_on_one_line():
   assert '\n' not in text
 
 
+def test_a_sequence_axis_must_split_the_rows_evenly():
+  config = default()
+  config.mesh.data, config.mesh.sequence = 2, 4
+  config.rollout.max_sequence_length = 150
+  with pytest.raises(config_lib.ConfigError,
+                     match=r'max_sequence_length=150 must be a multiple of'
+                     r' config.mesh.sequence=4'):
+    config_lib.validate(config, num_devices=8)
+  config.rollout.max_sequence_length = 152
+  assert config_lib.validate(config, num_devices=8)['sequence'] == 4
+
+
 def test_mesh_must_fit_the_devices():
   config = default()
   config.mesh.tensor = 3
@@ -175,7 +188,8 @@ def test_mesh_must_fit_the_devices():
   with pytest.raises(config_lib.ConfigError, match='needs 16 devices, but there are 8'):
     config_lib.validate(config, num_devices=8)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, -1, 2
-  assert config_lib.validate(config, num_devices=8) == dict(data=2, fsdp=2, tensor=2)
+  assert config_lib.validate(config, num_devices=8) == dict(
+      data=2, fsdp=2, sequence=1, tensor=2)
 
 
 def test_grpo_needs_groups_and_algorithm_must_match_its_parts():

@@ -153,6 +153,24 @@ def test_sharded_step_equals_one_device(mesh, one_device):
   assert_same_parameters(one, many)
 
 
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+def test_a_sequence_split_step_equals_one_device(implementation, one_device):
+  """Each row's 32 tokens over a 4-way `sequence` axis (and rows over
+  2-way FSDP): the step is the unsharded one, kernels included."""
+  one = one_device()
+  many = make_learner(make_config(lr=1e-4, **{
+      'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.sequence': 4, 'mesh.tensor': 1,
+      'kernels.implementation': implementation}), jax.devices()[:8])
+  assert tuple(many.batch_sharding.spec) == (('data', 'fsdp'), 'sequence')
+  m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
+  for a, b in zip(m_one, m_many):
+    for key in ('policy/loss', 'critic/loss', 'policy/grad_norm',
+                'advantage/abs_mean'):
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6,
+                                 err_msg=key)
+  assert_same_parameters(one, many)
+
+
 def test_microbatches_accumulate_to_the_full_batch(one_device):
   full = one_device()
   split = make_learner(make_config(lr=1e-4, **{'mesh.data': 1,

@@ -98,8 +98,14 @@ class Learner:
       self._critic_def, critic_params, frozen_params = nnx.split(
           value_model,
           critic_lib.trainable_filter(config.critic.frozen_attention), ...)
+    # [B, T] fields: rows over the batch axes, tokens over `sequence` (XLA
+    # gathers what a whole-row op needs: attention's keys and values, the
+    # GAE scan).
     self.batch_sharding = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES, None))
+        mesh, jax.sharding.PartitionSpec(
+            sharding.BATCH_AXES,
+            sharding.SEQUENCE_AXIS if mesh.shape.get(sharding.SEQUENCE_AXIS,
+                                                     1) > 1 else None))
     self.row_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
     self._param_shardings = {
