@@ -116,3 +116,25 @@ def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
   records = metrics_log.read_jsonl(log)
   resumed_at = [r['step'] for r in records if r.get('resumed')]
   assert resumed_at and resumed_at[0] == 5
+
+
+@pytest.mark.slow
+def test_long_horizon_episodes_train_and_reuse_the_servers_kv(tmp_path):
+  """configs/long_horizon.py: 12-turn episodes of ~2.5k tokens, packed into
+  4k-token rows (blockwise attention), and turns after the first prefill
+  mostly the appended observation."""
+  proc = subprocess.run(
+      [sys.executable, '-m', 'sao_jax.train', '--config=configs/long_horizon.py',
+       f'--workdir={tmp_path}', '--config.total_steps=2',
+       '--config.eval.at_start=False', '--config.checkpoint.every=2'],
+      cwd=ROOT, capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  records = metrics_log.read_jsonl(tmp_path / 'metrics.jsonl', dedupe=True)
+  assert [r['step'] for r in records if 'train/reward' in r] == [1, 2]
+  last = [r for r in records if 'rollout/prefilled_tokens' in r][-1]
+  # Most prompt tokens came from kept rows (84% in a 4-step run).
+  assert last['rollout/prefix_reused_tokens'] > 2 * last[
+      'rollout/prefilled_tokens']
+  assert last['rollout/prefilled_tokens_per_generated_token'] < 40
+  assert last['policy/num_tokens'] > 0

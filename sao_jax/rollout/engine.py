@@ -94,6 +94,11 @@ class EngineConfig:
       in too so that a resumed run does not replay the samples it drew before.
     prefix_cache_bytes: device memory for finished rows' keys/values, reused
       by the prefills of later turns (0: off).
+    max_new_tokens: a row stops after this many sampled tokens (0: at a stop
+      token or a full cache only). JetStream ends a request at its
+      `max_tokens` on the client's side but keeps decoding the row; with the
+      prefix cache on, `engine_config` sets this to the most any episode
+      asks for, so that a reply cut there is kept before the next turn.
   """
   max_concurrent_decodes: int = 8
   samples_per_slot: int = 1
@@ -105,6 +110,7 @@ class EngineConfig:
   server_index: int = 0
   restart: int = 0
   prefix_cache_bytes: int = 0
+  max_new_tokens: int = 0
 
   def __post_init__(self):
     if self.max_prefill_length not in PREFILL_BUCKETS:
@@ -121,6 +127,8 @@ class EngineConfig:
     if self.server_index < 0 or self.restart < 0:
       raise ValueError(f'server_index={self.server_index} and restart='
                        f'{self.restart} must be >= 0')
+    if self.max_new_tokens < 0:
+      raise ValueError(f'max_new_tokens={self.max_new_tokens} must be >= 0')
     if self.prefix_cache_bytes < 0:
       raise ValueError(f'prefix_cache_bytes={self.prefix_cache_bytes} must be'
                        ' >= 0')
@@ -326,8 +334,8 @@ class Engine(engine_api.Engine):
     with attention_api.mesh_context(self._mesh):  # the refresh's prefill
       decode_state, data, inactive_N, emitted = _generate(
           self._graphdef, self.config.sampling, self._stop_ids,
-          self.config.max_target_length, state, np.int32(version),
-          decode_state)
+          self.config.max_target_length, self.config.max_new_tokens, state,
+          np.int32(version), decode_state)
     self._count_emitted(emitted)
     if self.prefix_cache.enabled and self._unsaved:
       # Rows this step ended, kept before the client can send its next turn
@@ -514,8 +522,8 @@ def _insert(samples_per_slot, prefix: Prefix, ds: DecodeState,
       key=ds.key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
-def _generate(graphdef, params, stop_ids, cache_len, state, version,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+def _generate(graphdef, params, stop_ids, cache_len, max_new, state, version,
               ds: DecodeState):
   """One step for every slot: sample, emit, and feed the token back."""
   model = nnx.merge(graphdef, state)
@@ -532,6 +540,8 @@ def _generate(graphdef, params, stop_ids, cache_len, state, version,
   write_N = jnp.minimum(ds.positions, cache_len - 1)
   logits_NxV, cache = decoding.decode_step(model, ds.cache, tokens_N, write_N)
   full_N = ds.positions + 1 >= cache_len
+  if max_new:
+    full_N = full_N | (ds.generated + 1 >= max_new)
   rows_N = jnp.arange(tokens_N.shape[0])
   new = DecodeState(
       tokens=ds.tokens.at[rows_N, write_N].set(
@@ -585,7 +595,9 @@ def engine_config(config, tok: tokenizer_lib.Tokenizer, server_index: int = 0,
       seed=config.seed,
       server_index=server_index,
       restart=restart,
-      prefix_cache_bytes=int(r.get('prefix_cache_gib', 0.0) * 2**30))
+      prefix_cache_bytes=int(r.get('prefix_cache_gib', 0.0) * 2**30),
+      max_new_tokens=(r.max_new_tokens if r.get('prefix_cache_gib', 0.0)
+                      else 0))
 
 
 def serving_dtype(config) -> str:

@@ -163,6 +163,29 @@ def test_an_off_cache_keeps_nothing(tiny_checkpoint):
   assert status['prefilled_tokens'] == len(prompt) + len(second)
 
 
+def test_a_reply_cut_at_max_new_tokens_is_kept_for_the_next_turn(
+    tiny_checkpoint):
+  """No stop ids: the row ends at the engine's max_new_tokens, the count the
+  client asked for, and is kept right then."""
+  engine, _, tok = make_engine(tiny_checkpoint, stop_ids=(), max_new_tokens=5)
+  prompt = tok.encode_chat([{'role': 'user', 'content': 'w1 w2'}])
+  state = engine.insert(
+      engine.prefill(params=None, padded_tokens=padded(prompt),
+                     true_length=len(prompt)),
+      engine.init_decode_state(), slot=0)
+  reply = []
+  for _ in range(5):
+    state, result = engine.generate(None, state)
+    reply.append(int(result.data[0, wire.TOKEN]))
+  assert len(engine.prefix_cache) == 1  # kept at the 5th token
+  second = prompt + reply + [5, 6]
+  engine.prefill(params=None, padded_tokens=padded(second),
+                 true_length=len(second))
+  assert engine.prefix_cache.stats.reused_tokens == len(prompt) + 5
+  _, result = engine.generate(None, state)
+  assert int(result.data[0, wire.NUM_COLUMNS]) == 0  # the row stopped
+
+
 def recompute(model, sequence, start, params):
   logits = model(np.array([sequence]))
   logp = sampling.token_logprobs(logits[:, :-1], np.array([sequence])[:, 1:],
