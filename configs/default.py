@@ -49,9 +49,11 @@ def get_config(arg=None):
   # parity/* metrics (BENCHMARKS.md, log-prob parity).
   c.model.logits_dtype = ''
   # Full-sequence self-attention (learner passes, server prefill):
-  # auto | dense | blockwise | splash. auto: JAX's splash kernel on TPU;
-  # elsewhere blockwise (online softmax, memory linear in T) past 512
-  # tokens, dense (the definition) below.
+  # auto | dense | blockwise | splash | cudnn. auto: JAX's splash kernel on
+  # TPU; elsewhere blockwise (online softmax, memory linear in T) past 512
+  # tokens, dense (the definition) below. cudnn: NVIDIA's fused kernel via
+  # jax.nn.dot_product_attention, for unpacked rows only (one trajectory per
+  # row: batching.pack_sequences='off').
   c.model.attention = 'auto'
   # Recompute layer activations in the backward pass. The demo's three
   # 30-layer backward passes (K = 2 critic updates, one policy update) would

@@ -29,6 +29,7 @@ from ml_collections import config_flags
 from sao_jax import errors
 from sao_jax import kernels
 from sao_jax import sharding
+from sao_jax.kernels.attention import api as attention_api
 from sao_jax.envs import registry
 from sao_jax.envs import word_target
 from sao_jax.models import model_config
@@ -341,6 +342,12 @@ def validate(config: ml_collections.ConfigDict,
     problems.append(
         f'config.rollout.max_sequence_length={length} must be a multiple of'
         f' config.mesh.sequence={sequence} (each row\'s tokens split evenly)')
+  attention = check.get('model.attention')
+  if attention in attention_api.ONE_SEGMENT_ONLY and packs(config):
+    problems.append(
+        f"config.model.attention={attention!r} attends each row as one"
+        " trajectory, but this config packs several per row: set"
+        " config.batching.pack_sequences='off' or another attention")
   # Packed rows split as the batch's trajectories do (the lcm above).
   _check_packing(config, check, problems, mesh,
                  row_parts=(minibatches or 1) * (microbatches or 1))

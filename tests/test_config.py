@@ -167,6 +167,18 @@ def test_validate_reports_every_problem_on_one_line():
   assert '\n' not in text
 
 
+def test_cudnn_attention_needs_unpacked_rows():
+  config = default()
+  config.model.attention = 'cudnn'
+  config.task.name = 'word_target'
+  config.task.word_target.turns = 3  # 'auto' packs multi-turn episodes
+  with pytest.raises(config_lib.ConfigError,
+                     match="attention='cudnn' attends each row as one"):
+    config_lib.validate(config, num_devices=1)
+  config.batching.pack_sequences = 'off'
+  config_lib.validate(config, num_devices=1)
+
+
 def test_a_sequence_axis_must_split_the_rows_evenly():
   config = default()
   config.mesh.data, config.mesh.sequence = 2, 4

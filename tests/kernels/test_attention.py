@@ -150,6 +150,17 @@ def test_splash_interpret_matches_the_definition(fused):
       q, k, v, ids, cot, 1e-5)
 
 
+@pytest.mark.parametrize('dtype', DTYPES, ids=list(DTYPES))
+def test_cudnn_wrapper_matches_the_definition_on_one_segment_rows(dtype):
+  """The `jax.nn.dot_product_attention` call (XLA's implementation off GPU)
+  with lengths from the ids: row 1 of `packed_ids`, one right-padded
+  segment, is the layout it is for."""
+  dt, tol = DTYPES[dtype]
+  q, k, v, ids, cot = (x[1:2] for x in inputs(4, 70, dtype=dt))
+  assert_matches_definition(api.IMPLEMENTATIONS['cudnn'], q, k, v, ids, cot,
+                            tol)
+
+
 def test_auto_picks_by_platform_and_length():
   assert api.resolve('auto', 512) == 'dense'  # CPU, one tile
   assert api.resolve('auto', 513) == 'blockwise'

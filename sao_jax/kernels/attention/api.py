@@ -10,6 +10,11 @@ prefill). Implementations are registered by name:
   splash     `pallas_tpu.splash_self_attention`: JAX's splash attention
              Mosaic kernel (interpret mode off TPU); on a mesh it runs per
              shard under `jax.shard_map` (XLA cannot partition it)
+  cudnn      `jax.nn.dot_product_attention(implementation='cudnn')`, the
+             fused flash kernel of NVIDIA GPUs: causal, rows of ONE
+             segment each (it takes lengths, not segment ids), so only for
+             unpacked batches (`batching.pack_sequences='off'`; the config
+             checks); bf16 on the GPU
   auto       splash on TPU; elsewhere blockwise once T exceeds one tile
              (`reference.DEFAULT_BLOCK`), dense below (where the scores are
              small and one matmul is fastest)
@@ -24,6 +29,7 @@ import contextlib
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from sao_jax import platforms
 from sao_jax import sharding
@@ -68,11 +74,27 @@ def _splash(q, k, v, segment_ids):
       out_specs=tokens, check_vma=False)(q, k, v, segment_ids)
 
 
+def _cudnn(q, k, v, segment_ids):
+  """cuDNN's fused attention over right-padded one-segment rows.
+
+  Each row's real tokens are those with a nonzero id (one trajectory from
+  position 0); off GPU, XLA's implementation of the same call runs (tests).
+  """
+  lengths_B = jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
+  implementation = 'cudnn' if platforms.target() == 'gpu' else 'xla'
+  return jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, query_seq_lengths=lengths_B,
+      key_value_seq_lengths=lengths_B, implementation=implementation)
+
+
 IMPLEMENTATIONS: dict[str, Callable] = {
     'dense': reference.dense_self_attention,
     'blockwise': reference.blockwise_attention,
     'splash': _splash,
+    'cudnn': _cudnn,
 }
+# Implementations that cannot tell two segments of a packed row apart.
+ONE_SEGMENT_ONLY = frozenset({'cudnn'})
 CHOICES = ('auto',) + tuple(IMPLEMENTATIONS)
 
 
