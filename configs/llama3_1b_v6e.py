@@ -23,10 +23,9 @@ def get_config(arg=None):
   c.batch_size = 32
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
   # 2k-token trajectories in 4 micro-batches (one row per chip each). With
-  # splash attention (model.attention='auto' on TPU) 8k tokens take 6.5 GiB
-  # of temporaries per chip and 32k 29.0 (32.0 of 32 GiB with the state: does
-  # not fit yet); the critic's value pass still takes the whole batch at once
-  # (BENCHMARKS.md, planning TPU runs).
+  # splash attention (model.attention='auto' on TPU) longer ones fit too:
+  # 8k tokens take 4.7 GiB of temporaries per chip, 32k 11.7 (14.8 of 32 GiB
+  # with the state; BENCHMARKS.md, planning TPU runs).
   c.optim.microbatches = 4
   c.rollout.max_prefill_length = 1024
   c.rollout.max_target_length = 2048
