@@ -345,6 +345,14 @@ def get_config(arg=None):
   c.rollout.health_interval_s = 2.0  # seconds between health checks
   c.rollout.health_timeout_s = 5.0  # a slower answer marks a server sick
   c.rollout.push_timeout_s = 120.0  # one server loading one weight version
+  # How weights reach the servers: 'stream' sends them over the admin gRPC
+  # channel in checksummed buckets of weight_bucket_mib, in the servers'
+  # param dtype, straight into their device arrays (no file); a push overlaps
+  # the next learner step. 'files' writes an orbax checkpoint per version
+  # under <workdir>/weights for servers that share storage with the learner.
+  c.rollout.weight_transport = 'stream'
+  c.rollout.weight_bucket_mib = 64.0  # one checksummed piece on the wire
+  c.rollout.weight_bucket_timeout_s = 30.0  # either side, per bucket
   c.rollout.no_server_grace_s = 180.0  # no live server this long: error
   c.rollout.max_restart_backoff_s = 30.0  # local servers: 1, 2, 4, ... s up to this
   # Host-side queue between workers and the learner.

@@ -79,7 +79,7 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     if not sep:
       raise ConfigError(f'config argument {item!r} is not key=value')
     if key not in defaults:
-      raise ConfigError(f'unknown config argument {key!r}{_did_you_mean(key, defaults)};'
+      raise ConfigError(f'unknown config argument {key!r}{did_you_mean(key, defaults)};'
                         f' known: {", ".join(sorted(defaults))}')
     values[key] = _convert(key, text.strip(), defaults[key])
   return ml_collections.ConfigDict(values)
@@ -261,12 +261,15 @@ def validate(config: ml_collections.ConfigDict,
   check.positive_int('rollout.num_workers')
   check.positive_int('rollout.max_concurrent_decodes')
   check.non_negative('rollout.prefix_cache_gib')
+  # The server's gRPC message limit (rollout/server.MAX_BUCKET_BYTES).
+  check.closed_interval('rollout.weight_bucket_mib', 1 / 1024, 512)
   check.positive_int('rollout.max_in_flight_per_server')
   check.positive_int('rollout.max_new_tokens')
   check.non_negative_int('rollout.max_retries')
   check.positive('rollout.request_deadline_s')
   for key in ('health_interval_s', 'health_timeout_s', 'push_timeout_s',
-              'no_server_grace_s', 'max_restart_backoff_s'):
+              'no_server_grace_s', 'max_restart_backoff_s',
+              'weight_bucket_timeout_s'):
     check.positive(f'rollout.{key}')
   temperature = check.get('rollout.temperature')
   if temperature is not None and not (isinstance(temperature, (int, float))
@@ -619,7 +622,7 @@ def _unknown_override(argv: Sequence[str]) -> str | None:
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
         known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
         return (f'unknown config key --config.{path}: {walked} has no field'
-                f' {part!r}{_did_you_mean(part, known)}')
+                f' {part!r}{did_you_mean(part, known)}')
       node, walked = node[part], f'{walked}.{part}'
   return None
 
@@ -635,7 +638,7 @@ def _config_spec(argv: Sequence[str]) -> str | None:
   return spec
 
 
-def _did_you_mean(key: str, known) -> str:
+def did_you_mean(key: str, known) -> str:
   close = difflib.get_close_matches(key, list(known), n=1)
   return f' (did you mean {close[0]!r}?)' if close else ''
 
@@ -723,7 +726,7 @@ class _Checker:
     if value is not None and value not in options:
       self._problems.append(
           f'config.{key}={value!r} is not one of {", ".join(options)}'
-          f'{_did_you_mean(str(value), options)}')
+          f'{did_you_mean(str(value), options)}')
       return None
     return value
 

@@ -4,19 +4,15 @@ On a TPU pod every host runs the same program; JAX multi-controller needs each
 process to join the coordinator before it touches a device. On Cloud TPU VMs
 the coordinator, process count and id are discovered from the environment;
 elsewhere (several CPU processes, GPU clusters) the config names them.
-`allgather_json` is how the hosts exchange the small host-side records
-(data cursors, digests, evaluation outcomes) that are not jax arrays.
+Once joined, the hosts exchange host-side records with
+`host_gather.allgather_json`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 _log = logging.getLogger(__name__)
 _initialized = False
@@ -51,25 +47,3 @@ def initialize(cfg) -> None:
   _log.info('joined as process %d of %d (%d local / %d global devices)',
             jax.process_index(), jax.process_count(),
             jax.local_device_count(), jax.device_count())
-
-
-def allgather_json(value: Any) -> list[Any]:
-  """`value` of every process, in process order (a collective).
-
-  For the small host-side records that multi-host training must agree on or
-  save together (per-host data cursors, question digests, evaluation
-  outcomes). `value` goes through JSON, so every process must call this at
-  the same point with a JSON-able value; one process returns `[value]`
-  without communicating.
-  """
-  if jax.process_count() == 1:
-    return [json.loads(json.dumps(value))]
-  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-  sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64))
-  sizes = np.asarray(sizes).reshape(-1)
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(
-      len(sizes), -1)
-  return [json.loads(bytes(row[:size]).decode())
-          for row, size in zip(gathered, sizes)]

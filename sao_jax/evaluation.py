@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from sao_jax import distributed
+from sao_jax import host_gather
 from sao_jax.envs import base
 from sao_jax.envs import task_stream
 from sao_jax.models import decoding
@@ -120,7 +120,7 @@ def _generate_batched(model, prompts, *, max_new_tokens, batch_size, params,
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   most = len(prompts)
   if row_sharding is not None:
-    most = max(distributed.allgather_json(len(prompts)))
+    most = max(host_gather.allgather_json(len(prompts)))
   num_batches = -(-most // batch_size)
   rows = -(-most // num_batches) if num_batches else 0
   outputs = [None] * len(prompts)
@@ -230,7 +230,7 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
   for turn in range(env.max_turns):
     any_open = bool(open_rows)
     if row_sharding is not None:
-      any_open = any(distributed.allgather_json(any_open))
+      any_open = any(host_gather.allgather_json(any_open))
     if not any_open:
       break
     key, sub = jax.random.split(key)
@@ -269,7 +269,7 @@ def evaluate(model: transformer.CausalLM, tok: tokenizer_lib.Tokenizer,
 def _gather_outcomes(n, correct, rewards, replies, seconds):
   """Every host's outcomes of its `tasks[p::P]`, back in the tasks' order;
   the seconds of the slowest host."""
-  every = distributed.allgather_json(
+  every = host_gather.allgather_json(
       {'correct': correct, 'rewards': rewards, 'replies': replies,
        'seconds': seconds})
   out = {'correct': [False] * n, 'rewards': [0.0] * n, 'replies': [''] * n}

@@ -25,6 +25,7 @@ from sao_jax import checkpointing
 from sao_jax import config_lib
 from sao_jax import distributed
 from sao_jax import evaluation
+from sao_jax import host_gather
 from sao_jax import process_memory
 from sao_jax.envs import registry
 from sao_jax.envs import task_ledger
@@ -190,7 +191,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         process_memory.return_free_pages()
         batch = batch.replace(
             slot_ids_N=slots.trajectory_ids(trajectories))
-        trained = distributed.allgather_json(
+        trained = host_gather.allgather_json(
             sorted(int(t.info['task_index']) for t in trajectories))
         state, device_metrics = learner.train_step(
             state, learner.device_batch(batch))
@@ -216,7 +217,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       metrics['batch/rows'] = batch.tokens_BxT.shape[0]
       metrics['batch/padding_fraction'] = batching.padding_fraction(batch)
       metrics.update(_data_metrics(
-          trained, distributed.allgather_json(
+          trained, host_gather.allgather_json(
               ledger.state_dict()['stream']['cursor'])))
       if chief:
         _log_trained_tasks(workdir, step, trained)
@@ -294,7 +295,7 @@ def _metadata(config, ledger, slots, rollouts, before,
   cursor and queue counters are gathered into it, under `hosts`)."""
   return {
       'restart': restart,
-      'hosts': distributed.allgather_json({
+      'hosts': host_gather.allgather_json({
           'ledger': ledger.state_dict(), 'queue': rollouts.state_dict()}),
       'prompt_slots': slots.state_dict(),
       'pretrained': True,

@@ -45,8 +45,13 @@ def test_tiny_config_trains_and_reward_rises(tmp_path):
               'rollout/staleness_mean', 'queue/dropped_stale',
               'queue/in_flight', 'time/learner_idle_fraction',
               'time/train_seconds', 'time/wait_seconds',
-              'time/weight_push_seconds', 'policy/nonfinite_skips'):
+              'time/weight_push_seconds', 'time/weight_prepare_seconds',
+              'rollout/server_swap_pause_max_seconds',
+              'policy/nonfinite_skips'):
     assert key in last, key
+  # Weights were streamed: no file was written for them.
+  assert not os.listdir(tmp_path / 'weights')
+  assert last['rollout/servers_updated'] == 1
   assert last['rollout/staleness_max'] <= 2  # config.rollout.max_staleness
   # Memory by phase: the learner after each step, the servers beside it.
   # (VmHWM lags VmRSS by a few pages: the kernel syncs them lazily.)
@@ -63,6 +68,26 @@ def test_tiny_config_trains_and_reward_rises(tmp_path):
              for name in os.listdir(tmp_path / 'tensorboard'))
   # The last step is saved (after the loop, once the rollouts stopped).
   assert '30' in os.listdir(tmp_path / 'checkpoints')
+
+
+@pytest.mark.slow
+def test_the_file_transport_still_trains(tmp_path):
+  proc = run_train(tmp_path, '--config.rollout.weight_transport=files',
+                   '--config.total_steps=3', '--config.eval.at_start=False',
+                   '--config.critic.pretrain_steps=0')
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  records = metrics_log.read_jsonl(tmp_path / 'metrics.jsonl', dedupe=True)
+  pushed = [r for r in records if 'time/weight_push_seconds' in r]
+  assert [r['rollout/servers_updated'] for r in pushed] == [1.0] * 3
+  assert os.listdir(tmp_path / 'weights') == ['v3']  # older ones retired
+
+
+def test_an_unknown_weight_transport_names_the_known_ones(tmp_path):
+  proc = run_train(tmp_path, '--config.rollout.weight_transport=stream2')
+  assert proc.returncode != 0
+  assert "weight_transport='stream2' is not one of stream, files" in (
+      proc.stderr)
+  assert "did you mean 'stream'?" in proc.stderr
 
 
 SYNC = ('--config.rollout.max_staleness=0', '--config.total_steps=12',

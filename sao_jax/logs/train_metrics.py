@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sao_jax import distributed
+from sao_jax import host_gather
 from sao_jax import process_memory
 from sao_jax import types
 
@@ -178,7 +178,7 @@ class PromptSlots:
     batch, at the same step.
     """
     mine = [question_digest(t.tokens, t.action_mask) for t in trajectories]
-    every = distributed.allgather_json(mine)
+    every = host_gather.allgather_json(mine)
     ids = self.ids(itertools.chain.from_iterable(every))
     offset = sum(len(d) for d in every[:jax.process_index()])
     return ids[offset:offset + len(mine)]

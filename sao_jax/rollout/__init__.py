@@ -11,7 +11,8 @@ tasks themselves live in `sao_jax.envs`. The trainer uses `system` only.
   wire.py              how tokens, mu_t and versions travel per step
   engine.py            our model behind JetStream's Engine contract
   server.py            JetStream gRPC server + authenticated admin service
-  weight_sync.py       policy checkpoints and weight pushes to servers
+  weight_sync.py       weight pushes to servers: streamed or as checkpoints
+  weight_stream.py     the streamed push's buckets, checksums and staging
   client.py            asyncio gRPC client: least-loaded routing, retries
   episodes.py          the multi-turn agent loop (token-in/token-out)
   workers.py           rollout workers feeding the queue

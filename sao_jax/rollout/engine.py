@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import time
 from typing import NamedTuple
 
 import jax
@@ -63,6 +64,7 @@ from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import prefix_cache
+from sao_jax.rollout import weight_stream
 from sao_jax.rollout import wire
 
 engine_api = jetstream_compat.engine_api
@@ -242,6 +244,11 @@ class Engine(engine_api.Engine):
     self._emitted: list = []  # per-step device counts, folded lazily
     self._emitted_total = 0
     self._emitted_lock = threading.Lock()
+    # The last step's output and version, and what was measured at the
+    # last 64 version changes (`swap_pauses`).
+    self._last_step: tuple[jax.Array, int] | None = None
+    self._pauses: list[dict] = []
+    self._time_next_step = False
 
   # -- weights -----------------------------------------------------------
 
@@ -331,11 +338,32 @@ class Engine(engine_api.Engine):
   def generate(self, params, decode_state: DecodeState):
     del params
     state, version = self.weights.get()
+    swapped = self._last_step is not None and self._last_step[1] != version
+    timed = swapped or self._time_next_step
+    if timed:
+      # At a version change: the pause (the last step under the old weights
+      # done to the first under the new dispatched), that first step (it
+      # refreshes the rows in flight) and, as its yardstick, the step after
+      # it. Only these steps are waited for; the others stay asynchronous.
+      self._last_step[0].block_until_ready()
+      previous_done = time.perf_counter()
     with attention_api.mesh_context(self._mesh):  # the refresh's prefill
       decode_state, data, inactive_N, emitted = _generate(
           self._graphdef, self.config.sampling, self._stop_ids,
           self.config.max_target_length, self.config.max_new_tokens, state,
           np.int32(version), decode_state)
+    if timed:
+      dispatched = time.perf_counter()
+      data.block_until_ready()
+      seconds = time.perf_counter() - previous_done
+      if swapped:
+        self._pauses = (self._pauses + [{
+            'pause_s': dispatched - previous_done, 'first_step_s': seconds,
+            'next_step_s': None}])[-64:]
+      else:
+        self._pauses[-1]['next_step_s'] = seconds
+      self._time_next_step = swapped
+    self._last_step = (data, version)
     self._count_emitted(emitted)
     if self.prefix_cache.enabled and self._unsaved:
       # Rows this step ended, kept before the client can send its next turn
@@ -364,6 +392,22 @@ class Engine(engine_api.Engine):
     with self._emitted_lock:
       return self._emitted_total + int(sum(np.asarray(e)
                                            for e in self._emitted))
+
+  def swap_pauses(self) -> dict:
+    """Decoding at the last 64 weight swaps (seconds): how many were
+    measured; the pause (the last step under the old weights done to the
+    first under the new dispatched: the swap itself), its last and largest;
+    and the first step under the new weights (its refresh of the rows in
+    flight included) next to the step after it, medians."""
+    pauses = [dict(p) for p in self._pauses]
+    gaps = [p['pause_s'] for p in pauses]
+    firsts = [p['first_step_s'] for p in pauses]
+    nexts = [p['next_step_s'] for p in pauses if p['next_step_s'] is not None]
+    return {'count': len(pauses), 'last_s': gaps[-1] if gaps else None,
+            'max_s': max(gaps) if gaps else None,
+            'first_step_median_s': float(np.median(firsts)) if firsts else None,
+            'next_step_median_s': float(np.median(nexts)) if nexts else None,
+            'last': pauses[-1] if pauses else None}
 
   def prefill_status(self) -> dict:
     """The prefix cache's counters and the prefill work per sampled token."""
@@ -607,13 +651,6 @@ def serving_dtype(config) -> str:
   return config.rollout.get('dtype', '') or config.model.dtype
 
 
-def serving_param_dtype(config) -> str:
-  """The dtype a server keeps its weights in: `rollout.param_dtype`, or the
-  learner's `model.param_dtype` when that is ''. Pushed weights are cast to
-  it on load (orbax restores into the engine's dtypes)."""
-  return config.rollout.param_dtype or config.model.param_dtype
-
-
 def build_engine(config, version: int = 0, model=None, tok=None,
                  devices=None, server_index: int = 0,
                  restart: int = 0) -> Engine:
@@ -622,15 +659,12 @@ def build_engine(config, version: int = 0, model=None, tok=None,
   `server_index` and `restart` pick its sampling stream (`EngineConfig`).
   """
   if model is None:
-    model, tok = pretrained.from_pretrained(config.model.source,
-                                            dtype=serving_dtype(config),
-                                            param_dtype=serving_param_dtype(
-                                                config),
-                                            layer_loop=config.model.layer_loop,
-                                            logits_dtype=config.model.get(
-                                                'logits_dtype', ''),
-                                            attention=config.model.get(
-                                                'attention', 'auto'))
+    model, tok = pretrained.from_pretrained(
+        config.model.source, dtype=serving_dtype(config),
+        param_dtype=weight_stream.serving_param_dtype(config),
+        layer_loop=config.model.layer_loop,
+        logits_dtype=config.model.get('logits_dtype', ''),
+        attention=config.model.get('attention', 'auto'))
   return Engine(model, tok,
                 engine_config(config, tok, server_index=server_index,
                               restart=restart),

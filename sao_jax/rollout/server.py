@@ -1,22 +1,27 @@
 """A JetStream gRPC server for our engine, plus the authenticated admin service.
 
 One gRPC server on one port carries JetStream's unchanged `Orchestrator`
-service (Decode, HealthCheck) and our `sao_jax.Admin` service (UpdateWeights,
-Status). Unlike `jetstream.core.server_lib`, it binds without SO_REUSEPORT (so
+service (Decode, HealthCheck) and our `sao_jax.Admin` service (PushWeights,
+UpdateWeights, Status). Unlike `jetstream.core.server_lib`, it binds without SO_REUSEPORT (so
 a second server on a busy port fails loudly instead of silently sharing it),
 listens on loopback unless told otherwise, and stops gracefully.
 
 The admin service checks the secret before it looks at a request's bytes (an
 unauthenticated caller learns nothing but UNAUTHENTICATED), then answers a
-malformed request with INVALID_ARGUMENT. `UpdateWeights` loads only
-checkpoints under the server's `weights_root` (the learner's
-`<workdir>/weights`): the secret lets a caller swap the model, not read any
-file the server can.
+malformed request with INVALID_ARGUMENT. `PushWeights` streams a version's
+parameters in buckets (`weight_stream`): nothing is read from the stream
+before the secret is checked, each bucket must arrive within the manifest's
+`bucket_timeout_s`, and the version is swapped in only when every parameter
+of every learner process's part arrived intact; decoding goes on meanwhile.
+`UpdateWeights` loads only checkpoints under the server's `weights_root` (the
+learner's `<workdir>/weights`): the secret lets a caller swap the model, not
+read any file the server can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -28,10 +33,18 @@ import grpc
 from sao_jax import process_memory
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import weight_stream
 from sao_jax.rollout import weight_sync
 
 orchestrator = jetstream_compat.orchestrator
 _log = logging.getLogger(__name__)
+
+
+# The most one bucket may hold; the server's gRPC message limit is set
+# from it (a bigger bucket is refused by gRPC before a byte is stored).
+MAX_BUCKET_BYTES = 512 << 20
+# Bounds on the per-bucket deadline a manifest may ask for.
+_BUCKET_TIMEOUT_S = (0.1, 600.0)
 
 
 class PortInUseError(RuntimeError):
@@ -51,6 +64,14 @@ def weights_path(root: str, path: str) -> str | None:
   if os.path.commonpath([real_root, real]) != real_root:
     return None
   return real
+
+
+@dataclasses.dataclass
+class _Arriving:
+  """A streamed version being received, and whether it was committed."""
+  staging: weight_stream.Staging | None
+  done: asyncio.Event
+  committed: bool = False
 
 
 class RolloutServer:
@@ -74,6 +95,10 @@ class RolloutServer:
     self._secret = secret
     self._weights_root = weights_root
     self._swaps: list[float] = []
+    # The streamed version being received (one at a time: a newer one
+    # replaces an unfinished older one) and push outcomes.
+    self._arriving: _Arriving | None = None
+    self._push_counts = {'pushes_committed': 0, 'pushes_failed': 0}
     self._driver = orchestrator.Driver(
         prefill_engines=[engine], generate_engines=[engine],
         prefill_params=[None], generate_params=[None],
@@ -97,8 +122,11 @@ class RolloutServer:
 
   async def _build(self, host: str, port: int) -> int:
     # so_reuseport=0: JetStream's server lets two processes bind one port.
-    self._server = grpc.aio.server(self._executor,
-                                   options=[('grpc.so_reuseport', 0)])
+    self._server = grpc.aio.server(
+        self._executor,
+        options=[('grpc.so_reuseport', 0),
+                 ('grpc.max_receive_message_length',
+                  MAX_BUCKET_BYTES + weight_stream.HEADER_BYTES)])
     jetstream_compat.jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
         orchestrator.LLMOrchestrator(driver=self._driver), self._server)
     self._server.add_generic_rpc_handlers((self._admin_handler(),))
@@ -122,6 +150,9 @@ class RolloutServer:
           fn, response_serializer=weight_sync._encode)  # pylint: disable=protected-access
 
     return grpc.method_handlers_generic_handler(weight_sync.SERVICE, {
+        'PushWeights': grpc.stream_unary_rpc_method_handler(
+            self._push_weights,
+            response_serializer=weight_sync._encode),  # pylint: disable=protected-access
         'UpdateWeights': unary(self._update_weights),
         'Status': unary(self._status),
     })
@@ -135,6 +166,118 @@ class RolloutServer:
       return weight_sync._decode(request)  # pylint: disable=protected-access
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+  async def _push_weights(self, requests, context):
+    """Receives one learner process's part of a version (see module doc)."""
+    if not weight_sync.authorized(context, self._secret):
+      # Before the first message is read: an unauthenticated peer gets
+      # nothing stored (gRPC's own window is all it can fill).
+      await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          'wrong or missing admin secret')
+    start = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    arriving = None
+    try:
+      header = weight_stream.parse_manifest(
+          await asyncio.wait_for(requests.__anext__(), _BUCKET_TIMEOUT_S[1]))
+      arriving = self._arriving_for(header)
+      staging = arriving.staging
+      stream = staging.begin(header)
+      timeout = min(max(header['bucket_timeout_s'], _BUCKET_TIMEOUT_S[0]),
+                    _BUCKET_TIMEOUT_S[1])
+      while True:
+        try:
+          message = await asyncio.wait_for(requests.__anext__(), timeout)
+        except StopAsyncIteration:
+          break
+        if arriving.done.is_set():
+          raise weight_stream.StreamError(f'version {staging.version} was'
+                                          ' replaced by a newer push')
+        # Checksums and copies off the loop: Decode streams share it.
+        await loop.run_in_executor(None, staging.bucket, stream, message)
+      staging.end(stream, header['part'])
+      if staging.complete and not arriving.done.is_set():
+        state = await loop.run_in_executor(None, staging.state)
+        if arriving.done.is_set():  # replaced while it was assembled
+          raise weight_stream.StreamError(f'version {staging.version} was'
+                                          ' replaced by a newer push')
+        self.engine.weights.swap(state, staging.version)
+        del state
+        self._finish(arriving, committed=True)
+        process_memory.return_free_pages()
+        seconds = time.perf_counter() - start
+        self._swaps.append(seconds)
+        _log.info('now serving policy version %d (streamed %.1f MB in'
+                  ' %.3f s)', staging.version, staging.bytes / 1e6, seconds)
+      else:
+        # Another process's part is still on its way: answer once the
+        # version commits or is given up.
+        remaining = context.time_remaining()
+        await asyncio.wait_for(arriving.done.wait(), remaining)
+        if not arriving.committed:
+          raise weight_stream.StreamError(
+              f'version {staging.version} did not complete:'
+              f' {len(staging.missing())} parameters missing')
+      return {'version': staging.version, 'committed': True,
+              'bytes': stream.received,
+              'seconds': time.perf_counter() - start}
+    except StopAsyncIteration:
+      self._fail(arriving, 'the stream ended before its manifest')
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          'PushWeights got no manifest')
+    except asyncio.TimeoutError:
+      self._fail(arriving, 'a bucket did not arrive in time')
+      await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          'PushWeights: a bucket did not arrive in time')
+    except weight_stream.StreamError as e:
+      self._fail(arriving, str(e))
+      # Read out what the sender still writes (each message within the
+      # bucket deadline) and stored nothing of it: aborting while it writes
+      # reaches it as INTERNAL, not as this reason.
+      try:
+        while True:
+          await asyncio.wait_for(requests.__anext__(), _BUCKET_TIMEOUT_S[1])
+      except (StopAsyncIteration, asyncio.TimeoutError, grpc.RpcError):
+        pass
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f'PushWeights: {e}')
+    except asyncio.CancelledError:
+      # The caller went away mid-stream (killed, cancelled).
+      self._fail(arriving, 'the caller cancelled the stream')
+      raise
+
+  def _arriving_for(self, header: dict) -> '_Arriving':
+    """The version being received; a push of another version replaces an
+    unfinished one (the learner moved on, or restarted)."""
+    version = header['version']
+    current = self._arriving
+    if current is None or current.staging.version != version:
+      if current is not None:
+        self._fail(current, f'replaced by version {version}')
+      self._arriving = _Arriving(
+          weight_stream.Staging(self.engine.abstract_state(), version,
+                                header['parts']), asyncio.Event())
+    return self._arriving
+
+  def _finish(self, arriving: '_Arriving', committed: bool) -> None:
+    if arriving.done.is_set():
+      return
+    arriving.committed = committed
+    arriving.done.set()
+    if self._arriving is arriving:
+      self._arriving = None
+    self._push_counts['pushes_committed' if committed
+                      else 'pushes_failed'] += 1
+
+  def _fail(self, arriving: '_Arriving | None', why: str) -> None:
+    if arriving is None or arriving.done.is_set():
+      return
+    _log.warning('weight push of version %d dropped: %s',
+                 arriving.staging.version, why)
+    self._finish(arriving, committed=False)
+    # Its device copies go with it; give their pages back now.
+    arriving.staging = None
+    process_memory.return_free_pages()
 
   async def _update_weights(self, request, context):
     request = await self._admit(request, context)
@@ -180,6 +323,10 @@ class RolloutServer:
     return {
         'version': self.engine.version,
         'swaps': len(self._swaps),
+        **self._push_counts,
+        # Longest gap between two decode steps across a version change,
+        # and the serving weights' dtype (what a streamed push sends).
+        'swap_pauses': self.engine.swap_pauses(),
         'last_swap_seconds': self._swaps[-1] if self._swaps else None,
         'max_concurrent_decodes': cfg.max_concurrent_decodes,
         'samples_per_slot': cfg.samples_per_slot,

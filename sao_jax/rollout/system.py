@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import shutil
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,12 +36,14 @@ from typing import Any
 import jax
 
 from sao_jax import config_lib
+from sao_jax import host_gather
 from sao_jax import types
 from sao_jax.rollout import batching
 from sao_jax.rollout import episodes
 from sao_jax.rollout import launch
 from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server_supervisor
+from sao_jax.rollout import weight_stream
 from sao_jax.rollout import weight_sync
 from sao_jax.rollout import workers
 
@@ -50,7 +53,14 @@ _POLL_S = 1.0
 
 def check_inputs(config) -> None:
   """Raises what `RolloutSystem` would fail on in its inputs, before the
-  model loads: remote servers need a readable admin secret."""
+  model loads: a known weight transport; remote servers need a readable
+  admin secret."""
+  transport = config.rollout.weight_transport
+  if transport not in weight_sync.TRANSPORTS:
+    raise config_lib.ConfigError(
+        f'config.rollout.weight_transport={transport!r} is not one of'
+        f' {", ".join(weight_sync.TRANSPORTS)}'
+        f'{config_lib.did_you_mean(str(transport), weight_sync.TRANSPORTS)}')
   if config.rollout.server_addresses:
     weight_sync.read_secret(config.rollout.admin_secret_file or None)
 
@@ -94,9 +104,12 @@ class RolloutSystem:
     self._stop_flag = stop_flag
     self._weights_dir = os.path.join(workdir, 'weights')
     os.makedirs(self._weights_dir, exist_ok=True)
-    secret = (weight_sync.read_secret(r.admin_secret_file or None)
-              if r.server_addresses or r.admin_secret_file
-              else secrets.token_hex(16))
+    if r.server_addresses or r.admin_secret_file:
+      secret = weight_sync.read_secret(r.admin_secret_file or None)
+    else:
+      # Local servers get a fresh secret; on several processes process 0's,
+      # since each streams its part of a version to every host's servers.
+      secret = host_gather.allgather_json(secrets.token_hex(16))[0]
     self._supervisor = None
     self._server_log_dir = os.path.join(workdir, 'server_logs')
     if r.server_addresses:
@@ -118,10 +131,24 @@ class RolloutSystem:
       self._supervisor = server_supervisor.Supervisor(
           servers, on_death=self._on_death,
           max_backoff_s=r.max_restart_backoff_s)
+    self._transport = weight_sync.TRANSPORTS[r.weight_transport].from_config(
+        r, weights_dir=self._weights_dir,
+        dtype=weight_stream.serving_param_dtype(config),
+        part=jax.process_index(), parts=jax.process_count())
+    # A streamed version is in parts, one per learner process: every process
+    # sends its part to every server, its own and the other hosts'.
+    self._push_to_all = self._transport.parts > 1
     self._publisher = weight_sync.WeightPublisher(
-        self._addresses, secret, push_timeout_s=r.push_timeout_s,
+        self._push_targets(r) if self._push_to_all else self._addresses,
+        secret, transport=self._transport,
+        push_timeout_s=r.push_timeout_s,
         health_timeout_s=r.health_timeout_s,
         sampling={k: r[k] for k in weight_sync.SAMPLING_KEYS})
+    # The push in flight (streamed pushes overlap the next learner step),
+    # and what the last finished one reported.
+    self._pending_push = None
+    self._last_push: dict[str, float] = {}
+    self._version_lock = threading.Lock()
     self._queue = queue_lib.RolloutQueue(
         batch_size, r.max_staleness, vocab_size, r.max_sequence_length,
         group_size=config.group_size, capacity=r.queue_capacity or None,
@@ -158,14 +185,21 @@ class RolloutSystem:
     """Starts workers and supervision; servers join once they serve
     `version` (written now: a resume's servers, or remote ones left at
     another run's version, load it before they get traffic)."""
-    self._publisher.set_current(self._save(policy_state, version), version)
+    self._publisher.set_current(
+        self._transport.prepare(policy_state, version), version)
     self._runner.start()
+    if self._push_to_all and version > 0:
+      # The servers start from the model source's weights; no process can
+      # bring one up alone (`catch_up`), so all send their parts now.
+      self._pending_push = self._start_push(version)
     if self._supervisor is not None:
       self._supervisor.start()
     self._last_live = time.monotonic()
 
   def stop(self) -> None:
     """Stops the workers (closing the queue) and the local servers."""
+    if self._pending_push is not None:
+      self._pending_push.cancel()
     self._runner.stop()
     servers = (self._supervisor.stop() if self._supervisor is not None
                else [])
@@ -220,42 +254,89 @@ class RolloutSystem:
 
   # ---------------------------------------------------------------- weights
 
+  def _push_targets(self, r) -> list[str]:
+    """Every server of the run (a collective): where each process sends its
+    part of a version. Remote servers are the same list on every host; local
+    ones are reached by this host at their loopback address and by the
+    others at this host's (`rollout.bind_host` must then not be loopback,
+    unless every process runs on this machine)."""
+    if r.server_addresses:
+      return list(dict.fromkeys(self._addresses))
+    host = socket.gethostname()
+    bind = r.bind_host
+    reachable = (bind if bind not in ('0.0.0.0', '::', '')
+                 else socket.gethostbyname(host))
+    gathered = host_gather.allgather_json({
+        'host': host, 'loopback': bind.startswith('127.') or bind in (
+            'localhost', '::1'),
+        'addresses': self._addresses,
+        'reachable': [f'{reachable}:{a.rpartition(":")[2]}'
+                      for a in self._addresses]})
+    everyone_here = all(g['host'] == host for g in gathered)
+    if not everyone_here and any(g['loopback'] for g in gathered):
+      raise config_lib.ConfigError(
+          'config.rollout.weight_transport=stream with learner processes on'
+          ' several machines sends every process\'s part of the weights to'
+          ' every host\'s servers, which listen on loopback only: set'
+          ' config.rollout.bind_host=0.0.0.0 (or use'
+          ' weight_transport=files on shared storage)')
+    me = jax.process_index()
+    return [a for i, g in enumerate(gathered)
+            for a in (g['addresses'] if i == me or everyone_here
+                      else g['reachable'])]
+
   def push_weights(self, policy_state, version: int) -> dict[str, float]:
-    """Writes the policy and makes the live servers serve it as `version`.
+    """Makes the live servers serve the policy as `version`.
+
+    With the `stream` transport the push runs on while the learner takes
+    its next step: this call waits only for the previous push (if it is
+    still going) and for the copy of the parameters to the host. With
+    `files` it waits for the checkpoint and the servers' loads.
 
     Returns:
-      Timings and outcome counts, as metrics.
+      Timings and outcome counts, as metrics: the copy to the host (or the
+      checkpoint write), and the last finished push's transfer time and
+      outcome (the learner's whole wait is the trainer's `time/sync_seconds`).
     """
     start = time.perf_counter()
-    path = self._save(policy_state, version)
-    saved = time.perf_counter()
+    self._finish_push()
+    prepared = self._transport.prepare(policy_state, version)
+    ready = time.perf_counter()
+    self._publisher.set_current(prepared, version)
+    self._pending_push = self._start_push(version)
+    if not self._transport.overlaps:
+      self._finish_push()
+    return {'time/weight_prepare_seconds': ready - start, **self._last_push}
 
-    async def push_to_live():
+  def _start_push(self, version: int):
+    """Sends the current version to the live servers (to every server when
+    each process holds a part), on the workers' event loop."""
+    publisher = self._publisher
+
+    async def push():
       pool = self._runner.pool
-      result = await self._publisher.push(path, version, pool.live_servers)
+      targets = publisher.addresses if self._push_to_all else (
+          pool.live_servers)
+      result = await publisher.push(publisher.current[0], version, targets)
       for address in result.failed:
         await pool.mark_unhealthy(address, 'weight_push_failed')
+      self._sync_rollout_version()
+      self._transport.retire(version)
       return result
 
-    future = asyncio.run_coroutine_threadsafe(push_to_live(),
-                                              self._runner.loop)
+    return asyncio.run_coroutine_threadsafe(push(), self._runner.loop)
+
+  def _finish_push(self) -> None:
+    """Waits for the push in flight (if any) and records its outcome."""
+    future, self._pending_push = self._pending_push, None
+    if future is None:
+      return
     result = self._poll(lambda poll_s: future.result(timeout=poll_s),
                         on_abort=future.cancel)
-    self._sync_rollout_version()
-    for old in os.listdir(self._weights_dir):
-      if old != f'v{version}':
-        shutil.rmtree(os.path.join(self._weights_dir, old),
-                      ignore_errors=True)
-    return {'time/weight_save_seconds': saved - start,
-            'time/weight_push_seconds': result.seconds,
-            'rollout/servers_updated': float(len(result.updated)),
-            'rollout/servers_failed_update': float(len(result.failed))}
-
-  def _save(self, policy_state, version: int) -> str:
-    path = os.path.join(self._weights_dir, f'v{version}')
-    # A resume, or an extended run, writes the version it starts at again.
-    weight_sync.save_policy(path, policy_state)
-    return path
+    self._last_push = {
+        'time/weight_push_seconds': result.seconds,
+        'rollout/servers_updated': float(len(result.updated)),
+        'rollout/servers_failed_update': float(len(result.failed))}
 
   def _sync_rollout_version(self) -> None:
     """The queue's rollout version: the least the live servers serve."""
@@ -263,9 +344,11 @@ class RolloutSystem:
     if pool is None:
       return
     version = self._publisher.rollout_version(pool.live_servers)
-    if version is not None and version > self._rollout_version:
-      self._rollout_version = version
-      self._queue.set_rollout_version(version)
+    # From the trainer's thread and from a push finishing on the loop.
+    with self._version_lock:
+      if version is not None and version > self._rollout_version:
+        self._rollout_version = version
+        self._queue.set_rollout_version(version)
 
   # ---------------------------------------------------------------- servers
 
@@ -330,6 +413,7 @@ class RolloutSystem:
     rollout = dict(self._runner.stats())
     rollout.update(self._publisher.counters)
     rollout.update(self._publisher.prefill_metrics())
+    rollout.update(self._publisher.pause_metrics())
     rollout['rollout_version'] = float(self._rollout_version)
     if self._supervisor is not None:
       rollout.update(self._supervisor.stats())

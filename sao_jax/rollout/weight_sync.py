@@ -1,10 +1,20 @@
 """Moving policy weights from the learner to rollout servers.
 
-Out of process, the learner writes the policy parameters as an orbax
-checkpoint and tells every server (admin RPC `UpdateWeights`, authenticated by
-a shared secret) the path and the new version; each server restores it with
-its own shardings and swaps atomically between decode steps. In one process
-(Colab, CPU demos) the learner hands the arrays to the engine directly.
+Two transports (`TRANSPORTS`, chosen by `config.rollout.weight_transport`),
+both over the admin gRPC service, authenticated by a shared secret:
+
+- `stream` (the default): the learner copies its parameters to the host in
+  the servers' dtype and streams them in size-bounded, checksummed buckets
+  (`weight_stream`) straight into each server's device arrays; no file on
+  either side. On a multi-host learner every process sends the shards it
+  holds, and a server commits the version once all parts arrived.
+- `files`: the learner writes an orbax checkpoint and tells every server
+  (`UpdateWeights`) its path; each restores it with its own shardings. For
+  servers that share storage with the learner but have no network path to
+  it that carries the weights.
+
+Either way a server swaps atomically between decode steps, and a version is
+acknowledged only once a server serves it.
 
 The admin service uses JSON messages over gRPC generic handlers: no generated
 protobuf code to keep in sync, and nothing the JetStream protocol needs to
@@ -19,8 +29,10 @@ import hmac
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import jax
@@ -28,6 +40,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sao_jax import errors
+from sao_jax.rollout import weight_stream
 
 SERVICE = 'sao_jax.Admin'
 SECRET_ENV = 'SAO_ADMIN_SECRET'
@@ -143,6 +156,151 @@ def load_policy(path: str, abstract_state):
   return state
 
 
+# -- transports ---------------------------------------------------------------
+
+
+class FileTransport:
+  """A version is an orbax checkpoint under `weights_dir`; servers load it."""
+
+  parts = 1
+  overlaps = False  # the learner waits for the servers' loads
+
+  @classmethod
+  def from_config(cls, rollout, *, weights_dir: str, dtype: str, part: int,
+                  parts: int) -> 'FileTransport':
+    """The transport `rollout.weight_transport = 'files'` names (orbax
+    writes a multi-host learner's shards from each process itself)."""
+    del rollout, dtype, part, parts
+    return cls(weights_dir)
+
+  def __init__(self, weights_dir: str | None = None):
+    """`weights_dir`: where `prepare` writes (None: paths are given)."""
+    self._weights_dir = weights_dir
+    if weights_dir is not None:
+      os.makedirs(weights_dir, exist_ok=True)
+
+  def prepare(self, policy_state, version: int) -> str:
+    """Writes `version` (a resume writes the version it starts at again)."""
+    if self._weights_dir is None:
+      raise ValueError('this FileTransport has no weights_dir to write to')
+    path = os.path.join(self._weights_dir, f'v{version}')
+    save_policy(path, policy_state)
+    return os.path.abspath(path)
+
+  def retire(self, version: int) -> None:
+    """Deletes the checkpoints of versions before `version`."""
+    for old in os.listdir(self._weights_dir):
+      if old != f'v{version}':
+        shutil.rmtree(os.path.join(self._weights_dir, old),
+                      ignore_errors=True)
+
+  async def send(self, publisher: 'WeightPublisher', address: str,
+                 path: str, version: int) -> None:
+    await publisher.call(address, 'UpdateWeights',
+                         {'path': os.path.abspath(path), 'version': version},
+                         publisher.push_timeout_s)
+
+
+class StreamTransport:
+  """A version is this process's pieces on the host, streamed to servers."""
+
+  overlaps = True  # a push runs on during the learner's next step
+
+  @classmethod
+  def from_config(cls, rollout, *, weights_dir: str, dtype: str, part: int,
+                  parts: int) -> 'StreamTransport':
+    """The transport `rollout.weight_transport = 'stream'` names."""
+    del weights_dir
+    return cls(dtype=dtype,
+               bucket_bytes=int(rollout.weight_bucket_mib * (1 << 20)),
+               bucket_timeout_s=rollout.weight_bucket_timeout_s, part=part,
+               parts=parts)
+
+  def __init__(self, *, dtype: str = '', bucket_bytes: int =
+               weight_stream.DEFAULT_BUCKET_BYTES,
+               bucket_timeout_s: float = 30.0, part: int = 0, parts: int = 1):
+    """Sets up the transport.
+
+    Args:
+      dtype: the servers' parameter dtype, converted to here ('' as is).
+      bucket_bytes: the most one message carries.
+      bucket_timeout_s: how long either side waits for one bucket.
+      part: this learner process's index; parts: how many send each version.
+    """
+    self._dtype = dtype
+    self._bucket_bytes = bucket_bytes
+    self._bucket_timeout_s = bucket_timeout_s
+    self.part, self.parts = part, parts
+
+  def prepare(self, policy_state, version: int
+              ) -> list[weight_stream.Piece]:
+    del version
+    return weight_stream.host_pieces(policy_state, self._dtype)
+
+  def retire(self, version: int) -> None:
+    del version  # nothing kept but the current pieces
+
+  def messages(self, pieces: list[weight_stream.Piece], version: int):
+    """The stream of one push: the manifest, then the buckets."""
+    yield weight_stream.manifest(
+        pieces, version=version, part=self.part, parts=self.parts,
+        bucket_bytes=self._bucket_bytes,
+        bucket_timeout_s=self._bucket_timeout_s)
+    yield from weight_stream.buckets(pieces, self._bucket_bytes)
+
+  async def send(self, publisher: 'WeightPublisher', address: str,
+                 pieces: list[weight_stream.Piece], version: int) -> None:
+    """Streams `version` to `address`.
+
+    Every write has `bucket_timeout_s` and the whole call `push_timeout_s`;
+    meanwhile the server must answer a health check every
+    `health_timeout_s`, so a hung server (its gRPC stack stopped, e.g.
+    SIGSTOP, while our bytes sit in a socket buffer) fails the push within
+    about twice that, not at the push deadline.
+    """
+    async with grpc.aio.insecure_channel(address) as channel:
+      call = channel.stream_unary(method('PushWeights'),
+                                  request_serializer=bytes,
+                                  response_deserializer=_decode)(
+          metadata=((SECRET_HEADER, publisher.secret),),
+          timeout=publisher.push_timeout_s)
+      stream = asyncio.ensure_future(self._stream(call, pieces, version))
+      watchdog = asyncio.ensure_future(publisher.watch(address))
+      try:
+        await asyncio.wait((stream, watchdog),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not stream.done():
+          call.cancel()
+          watchdog.result()  # raises why the server was given up
+        await stream
+      finally:
+        for task in (stream, watchdog):
+          task.cancel()
+        call.cancel()
+
+  async def _stream(self, call, pieces, version) -> None:
+    loop = asyncio.get_running_loop()
+    messages = self.messages(pieces, version)
+    try:
+      while True:
+        # Joining and checksumming a bucket off the loop (the workers'
+        # episodes share it).
+        message = await loop.run_in_executor(None, next, messages, None)
+        if message is None:
+          break
+        await asyncio.wait_for(call.write(message), self._bucket_timeout_s)
+      await asyncio.wait_for(call.done_writing(), self._bucket_timeout_s)
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+      # The server ended the call (a write then fails with INTERNAL or on a
+      # finished call): its status says why.
+      pass
+    await call
+
+
+# By `config.rollout.weight_transport`; each builds itself `from_config`.
+TRANSPORTS = {'stream': StreamTransport, 'files': FileTransport}
+
+
 # -- the learner's side -------------------------------------------------------
 
 
@@ -153,6 +311,10 @@ class PushResult:
   seconds: float
   updated: list[str]
   failed: dict[str, str]
+
+
+class ServerUnresponsive(RuntimeError):
+  """A server stopped answering while a push to it was in flight."""
 
 
 class SettingsMismatch(ValueError):
@@ -168,50 +330,59 @@ SAMPLING_KEYS = ('temperature', 'top_k', 'top_p')
 class WeightPublisher:
   """Makes rollout servers serve the learner's current policy version.
 
-  Keeps the current version (its checkpoint path) and, per server, the newest
-  version that server acknowledged. A push goes to the servers the caller
-  names (the live ones); each gets `health_timeout_s` to answer a health
-  check and then `push_timeout_s` to load, so a hung server costs the push at
-  most the health timeout and never blocks the others. A server that failed
-  is brought up to date later by `catch_up` (the server pool calls it before
-  routing traffic to a revived server), which also checks its sampling
-  settings. `rollout_version(live)` is the minimum the live servers
-  acknowledged: the version the queue may assume new rollouts start from.
+  Keeps the current version (what its transport prepared: a checkpoint path
+  or the host pieces) and, per server, the newest version that server
+  acknowledged. A push goes to the servers the caller names (the live ones);
+  each gets `health_timeout_s` to answer a health check and then
+  `push_timeout_s` to load, so a hung server costs the push at most those
+  and never blocks the others. A server that failed is brought up to date
+  later by `catch_up` (the server pool calls it before routing traffic to a
+  revived server), which also checks its sampling settings.
+  `rollout_version(live)` is the minimum the live servers acknowledged: the
+  version the queue may assume new rollouts start from.
   """
 
   def __init__(self, addresses: Sequence[str], secret: str, *,
-               push_timeout_s: float = 300.0, health_timeout_s: float = 5.0,
+               transport=None, push_timeout_s: float = 300.0, health_timeout_s: float = 5.0,
                sampling: dict | None = None):
     """Sets up the publisher; nothing is sent yet.
 
     Args:
       addresses: the servers, `host:port`.
       secret: the admin secret.
-      push_timeout_s: seconds one server may take to load one version.
+      transport: one of `TRANSPORTS`' values (default: files at the paths
+        `push` is given).
+      push_timeout_s: seconds one server may take to receive one version.
       health_timeout_s: seconds a server may take to answer a health check.
       sampling: the learner's sampling settings (`SAMPLING_KEYS`); when given,
         `catch_up` refuses a server that reports different ones.
     """
     self.addresses = list(addresses)
-    self._secret = secret
-    self._push_timeout_s = push_timeout_s
+    self.secret = secret
+    self.transport = FileTransport() if transport is None else transport
+    self.push_timeout_s = push_timeout_s
     self._health_timeout_s = health_timeout_s
     self._sampling = dict(sampling) if sampling is not None else None
-    self.current: tuple[str, int] | None = None  # (path, version)
+    self.current: tuple[Any, int] | None = None  # (prepared, version)
     self.acked: dict[str, int] = {}
     self.counters: dict[str, int] = {'pushes_failed': 0, 'catch_ups': 0,
                                      'catch_ups_failed': 0}
     # A settings mismatch found by `catch_up` (in the pool's monitor); the
     # trainer raises it in its own thread.
     self.mismatch: SettingsMismatch | None = None
-    # Each server's prefill counters (`Status['prefix_cache']`), as of the
-    # last health check this publisher made.
+    # Each server's prefill counters (`Status['prefix_cache']`) and decode
+    # pauses at swaps (`Status['swap_pauses']`), as of the last health
+    # check this publisher made.
     self.prefill_counters: dict[str, dict] = {}
+    self.swap_pauses: dict[str, dict] = {}
 
   def _record(self, address: str, status) -> None:
-    if isinstance(status, dict) and isinstance(status.get('prefix_cache'),
-                                               dict):
+    if not isinstance(status, dict):
+      return
+    if isinstance(status.get('prefix_cache'), dict):
       self.prefill_counters[address] = status['prefix_cache']
+    if isinstance(status.get('swap_pauses'), dict):
+      self.swap_pauses[address] = status['swap_pauses']
 
   def prefill_metrics(self) -> dict[str, float]:
     """Prefill work over the servers: tokens prefilled, tokens whose keys
@@ -228,35 +399,55 @@ class WeightPublisher:
                 totals['prefilled_tokens'] / totals['generated_tokens']
                 if totals['generated_tokens'] else 0.0)}
 
-  def set_current(self, path: str, version: int) -> None:
-    """Records that `path` holds `version`, without sending it anywhere."""
-    self.current = (os.path.abspath(path), int(version))
+  def pause_metrics(self) -> dict[str, float]:
+    """The largest decode pause at a swap over the servers (seconds)."""
+    pauses = [p['max_s'] for p in self.swap_pauses.values()
+              if isinstance(p.get('max_s'), (int, float))]
+    return {'server_swap_pause_max_seconds': max(pauses)} if pauses else {}
 
-  async def _call(self, address, name, message, timeout):
+  def set_current(self, prepared, version: int) -> None:
+    """Records what the transport prepared for `version`, without sending
+    it anywhere."""
+    self.current = (prepared, int(version))
+
+  async def watch(self, address: str) -> None:
+    """Returns only by raising: when `address` misses a health check (one
+    every `health_timeout_s`, each given as long). Run beside a long call to
+    the same server."""
+    while True:
+      await asyncio.sleep(self._health_timeout_s)
+      try:
+        await self.call(address, 'Status', {}, self._health_timeout_s)
+      except grpc.RpcError as e:
+        raise ServerUnresponsive(
+            f'{address} missed a health check during the push:'
+            f' {_describe(e)}') from e
+
+  async def call(self, address, name, message, timeout):
+    """One unary admin call (JSON in, JSON out) with the secret."""
     async with grpc.aio.insecure_channel(address) as channel:
       call = channel.unary_unary(method(name), request_serializer=_encode,
                                  response_deserializer=_decode)
-      return await call(message, metadata=((SECRET_HEADER, self._secret),),
+      return await call(message, metadata=((SECRET_HEADER, self.secret),),
                         timeout=timeout)
 
   async def _load(self, address: str) -> int:
-    """Health check, then `UpdateWeights` of the current version."""
-    path, version = self.current
-    self._record(address, await self._call(address, 'Status', {},
-                                           self._health_timeout_s))
-    await self._call(address, 'UpdateWeights',
-                     {'path': path, 'version': version}, self._push_timeout_s)
+    """Health check, then the transport's send of the current version."""
+    prepared, version = self.current
+    self._record(address, await self.call(address, 'Status', {},
+                                          self._health_timeout_s))
+    await self.transport.send(self, address, prepared, version)
     # Acknowledgements only move forward: a slow load of an older version
     # must not undo a newer one's.
     self.acked[address] = max(version, self.acked.get(address, version))
     return version
 
-  async def push(self, path: str, version: int,
+  async def push(self, prepared, version: int,
                  addresses: Sequence[str] | None = None) -> PushResult:
-    """Makes `version` (at `path`) current and pushes it concurrently.
+    """Makes `version` current and pushes it concurrently.
 
     Args:
-      path: the checkpoint directory (`save_policy`).
+      prepared: what `transport.prepare` made of the version.
       version: its policy version.
       addresses: where to push (the live servers); default all.
 
@@ -264,7 +455,7 @@ class WeightPublisher:
     others serve the new version, and the caller routes around the failed
     ones until `catch_up` succeeds.
     """
-    self.set_current(path, version)
+    self.set_current(prepared, version)
     targets = self.addresses if addresses is None else list(addresses)
     start = time.perf_counter()
     results = await asyncio.gather(*(self._load(a) for a in targets),
@@ -290,7 +481,7 @@ class WeightPublisher:
       in `mismatch` for the trainer to raise).
     """
     try:
-      status = await self._call(address, 'Status', {}, self._health_timeout_s)
+      status = await self.call(address, 'Status', {}, self._health_timeout_s)
     except grpc.RpcError:
       return False
     self._record(address, status)
@@ -307,6 +498,10 @@ class WeightPublisher:
       if self.current is not None:
         self.acked[address] = self.current[1]
       return True
+    if self.transport.parts > 1:
+      # Every learner process holds a part of the weights: a lone process
+      # cannot send them; the next push (to every server) brings it up.
+      return False
     self.counters['catch_ups'] += 1
     # What it acknowledged before (it restarted since) no longer holds.
     self.acked.pop(address, None)
@@ -314,7 +509,8 @@ class WeightPublisher:
       # A push may make a newer version current while this one loads.
       while self.acked.get(address) != self.current[1]:
         await self._load(address)
-    except (grpc.RpcError, asyncio.TimeoutError) as e:
+    except (grpc.RpcError, asyncio.TimeoutError, OSError,
+            ServerUnresponsive) as e:
       self.counters['catch_ups_failed'] += 1
       _log.warning('bringing rollout server %s to version %d failed: %s',
                    address, self.current[1], _describe(e))

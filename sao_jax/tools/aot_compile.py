@@ -48,6 +48,7 @@ from sao_jax.kernels.attention import api as attention_api
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import pretrained
 from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import weight_stream
 from sao_jax.tools import tpu_aot
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -177,7 +178,7 @@ def compile_engine_prefill(config, topology: str) -> PrefillReport:
                             devices)
   model = pretrained.abstract_model(
       config.model.source, dtype=engine_lib.serving_dtype(config),
-      param_dtype=engine_lib.serving_param_dtype(config),
+      param_dtype=weight_stream.serving_param_dtype(config),
       attention=config.model.attention)
   graphdef, state = nnx.split(model)
   shardings = sharding.state_shardings(state, mesh)

@@ -1,0 +1,386 @@
+"""The streamed weight transport's wire format, sender and receiver.
+
+A push of policy version v is one client-streaming admin RPC (`PushWeights`)
+per learner process and server. Its first message is a JSON manifest: the
+pieces this process sends (a piece is one array, or on a multi-host learner
+one shard of it: its leaf path, the global shape, the dtype on the wire and
+the shard's index), their byte sizes, and how many processes send parts of v.
+Then come buckets: the pieces' bytes concatenated in manifest order and cut
+into messages of at most `bucket_bytes`, each prefixed by a fixed header
+(bucket number, offset in the stream, length, CRC-32 of the payload).
+
+The receiver (`Staging`, one per version on a server) checks every header
+against what it has read so far, writes each piece straight into a host
+buffer of its leaf, and hands a leaf to the device as soon as its last byte
+arrived (so at most a few leaves sit on the host at once: the server's extra
+memory is about one copy of the weights, on the device). Version v is
+complete when every leaf of the engine's state is covered by the parts of all
+processes; nothing of it is visible before, and a stream that breaks, lies
+about a size or fails a checksum discards v whole.
+
+Nothing here knows gRPC: `weight_sync` (the learner's publisher) and
+`server` (the admin service) carry these bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+# Bucket header: bucket number, byte offset in the stream, payload length,
+# CRC-32 of the payload.
+_HEADER = struct.Struct('<QQQI')
+HEADER_BYTES = _HEADER.size
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class StreamError(ValueError):
+  """A push that cannot be applied; the message says why (one line)."""
+
+
+def dtype_of(name: str) -> np.dtype:
+  """A numpy dtype by name, bfloat16 included."""
+  if name == 'bfloat16':
+    return np.dtype(ml_dtypes.bfloat16)
+  try:
+    return np.dtype(name)
+  except TypeError as e:
+    raise StreamError(f'unknown dtype {name!r}') from e
+
+
+def serving_param_dtype(config) -> str:
+  """The dtype a server keeps its weights in, and so the wire's:
+  `rollout.param_dtype`, or the learner's `model.param_dtype` when that is
+  ''. Pushed weights are converted to it by the learner (streamed) or on
+  load (orbax restores into the engine's dtypes)."""
+  return config.rollout.param_dtype or config.model.param_dtype
+
+
+def _name(key_path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k)))
+                  for k in key_path)
+
+
+def leaf_paths(pure_dict) -> list[tuple[str, object]]:
+  """(`'a/b/c'`, leaf) of a nested dict (an nnx pure dict), sorted."""
+  flat = jax.tree_util.tree_flatten_with_path(pure_dict)[0]
+  return sorted((_name(path), leaf) for path, leaf in flat)
+
+
+# -- the sender ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One array or shard on the wire: `data` is the part at `index` (a
+  `(start, stop)` per axis) of leaf `path`, whose whole shape is `shape`."""
+  path: str
+  shape: tuple[int, ...]
+  index: tuple[tuple[int, int], ...]
+  data: np.ndarray  # C-contiguous, the wire dtype
+
+  def describe(self) -> dict:
+    return {'path': self.path, 'shape': list(self.shape),
+            'dtype': _dtype_name(self.data.dtype),
+            'index': [list(i) for i in self.index],
+            'nbytes': int(self.data.nbytes)}
+
+
+def _dtype_name(dtype) -> str:
+  return 'bfloat16' if dtype == ml_dtypes.bfloat16 else np.dtype(dtype).name
+
+
+def _index(slices: Sequence[slice], shape) -> tuple[tuple[int, int], ...]:
+  return tuple((s.start or 0, n if s.stop is None else s.stop)
+               for s, n in zip(slices, shape))
+
+
+def host_pieces(state, dtype: str | None = None) -> list[Piece]:
+  """This process's pieces of `state` (a model's parameters, an nnx State or
+  a pure dict of arrays),
+  copied to the host in `dtype` (None: as they are).
+
+  An array this process holds whole is one piece; otherwise each shard it
+  holds whose `replica_id` is 0 (so over all processes every element is sent
+  exactly once, and no process gathers what others hold). The copies are the
+  learner's own: the training step may donate the arrays they came from.
+  """
+  if isinstance(state, nnx.Module):
+    state = nnx.state(state, nnx.Param)
+  if isinstance(state, nnx.State):
+    state = nnx.to_pure_dict(state)
+  wire = None if dtype in (None, '') else dtype_of(dtype)
+  pieces = []
+  for path, x in leaf_paths(state):
+    shape = tuple(x.shape)
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      shards = [(tuple((0, n) for n in shape), x)]
+    else:
+      shards = [(_index(s.index, shape), s.data)
+                for s in x.addressable_shards if s.replica_id == 0]
+    for index, data in shards:
+      host = np.asarray(data)
+      host = (host.astype(wire) if wire is not None and host.dtype != wire
+              else np.array(host, copy=True))
+      pieces.append(Piece(path, shape, index, np.ascontiguousarray(host)))
+  return pieces
+
+
+def manifest(pieces: Sequence[Piece], *, version: int, part: int = 0,
+             parts: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             bucket_timeout_s: float = 30.0) -> bytes:
+  """The stream's first message."""
+  return json.dumps({
+      'version': int(version), 'part': int(part), 'parts': int(parts),
+      'bucket_bytes': int(bucket_bytes),
+      'bucket_timeout_s': float(bucket_timeout_s),
+      'total_bytes': int(sum(p.data.nbytes for p in pieces)),
+      'pieces': [p.describe() for p in pieces]}).encode()
+
+
+def buckets(pieces: Sequence[Piece], bucket_bytes: int
+            ) -> Iterator[bytes]:
+  """The pieces' bytes as header-prefixed messages of <= `bucket_bytes`."""
+  if bucket_bytes < 1:
+    raise ValueError(f'bucket_bytes={bucket_bytes} must be >= 1')
+  offset = number = 0
+  parts: list[memoryview] = []
+  size = 0
+
+  def flush():
+    nonlocal offset, number, parts, size
+    payload = b''.join(parts)
+    message = _HEADER.pack(number, offset, size, zlib.crc32(payload))
+    offset += size
+    number += 1
+    parts, size = [], 0
+    return message + payload
+
+  for piece in pieces:
+    view = memoryview(piece.data.reshape(-1).view(np.uint8))
+    while len(view):
+      take = min(len(view), bucket_bytes - size)
+      parts.append(view[:take])
+      size += take
+      view = view[take:]
+      if size == bucket_bytes:
+        yield flush()
+  if size:
+    yield flush()
+
+
+# -- the receiver -------------------------------------------------------------
+
+_INTS = ('version', 'part', 'parts', 'bucket_bytes', 'total_bytes')
+
+
+def parse_manifest(message: bytes) -> dict:
+  """A stream's manifest, its fields' types checked.
+
+  Raises:
+    StreamError: for anything but a manifest `manifest()` could write.
+  """
+  try:
+    header = json.loads(bytes(message).decode())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise StreamError('the first message is not a JSON manifest') from e
+  if not isinstance(header, dict):
+    raise StreamError('the manifest is not a JSON object')
+  for key in _INTS:
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise StreamError(f'manifest field {key!r} must be an int >= 0, got'
+                        f' {value!r}')
+  if header['parts'] < 1 or header['bucket_bytes'] < 1:
+    raise StreamError('a manifest needs parts >= 1 and bucket_bytes >= 1')
+  timeout = header.get('bucket_timeout_s')
+  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    raise StreamError('manifest field bucket_timeout_s must be a number')
+  pieces = header.get('pieces')
+  if not isinstance(pieces, list) or not all(
+      isinstance(p, dict) and isinstance(p.get('path'), str)
+      and isinstance(p.get('dtype'), str)
+      and isinstance(p.get('nbytes'), int)
+      and isinstance(p.get('shape'), list)
+      and isinstance(p.get('index'), list)
+      and all(isinstance(n, int) for n in p['shape'])
+      and all(isinstance(i, list) and len(i) == 2
+              and all(isinstance(n, int) for n in i) for i in p['index'])
+      for p in pieces):
+    raise StreamError('manifest field pieces must list {path, shape, dtype,'
+                      ' index, nbytes} objects')
+  return header
+
+
+@dataclasses.dataclass
+class _Leaf:
+  shape: tuple[int, ...]
+  dtype: np.dtype  # the engine's
+  sharding: object
+  nbytes_wire: int = 0  # whole-leaf bytes in the wire dtype, once known
+  received: int = 0  # bytes of it received so far (over all parts)
+  host: np.ndarray | None = None
+  device: jax.Array | None = None
+
+
+class _Part:
+  """Reading one process's stream: where the next bytes go."""
+
+  def __init__(self, header: dict, leaves: dict[str, _Leaf]):
+    self.total = header['total_bytes']
+    self.bucket_bytes = header['bucket_bytes']
+    self.received = 0
+    self.next_bucket = 0
+    self.pieces = []
+    for p in header['pieces']:
+      leaf = leaves[p['path']]
+      shape = tuple(p['shape'])
+      index = tuple(tuple(i) for i in p['index'])
+      wire = dtype_of(p['dtype'])
+      extent = tuple(stop - start for start, stop in index)
+      if (shape != leaf.shape or len(index) != len(shape)
+          or any(not 0 <= a < b <= n for (a, b), n in zip(index, shape))):
+        raise StreamError(f'piece {p["path"]}: shape {list(shape)} index'
+                          f' {p["index"]} does not fit the served shape'
+                          f' {list(leaf.shape)}')
+      if p['nbytes'] != math.prod(extent) * wire.itemsize:
+        raise StreamError(f'piece {p["path"]}: {p["nbytes"]} bytes for'
+                          f' {list(extent)} {wire.name}')
+      self.pieces.append((leaf, index, extent, wire, p['nbytes']))
+    if sum(p[4] for p in self.pieces) != self.total:
+      raise StreamError('total_bytes is not the sum of the pieces')
+    self._piece = 0  # piece being read, and bytes of it read
+    self._done_in_piece = 0
+    self._scratch: np.ndarray | None = None
+
+  def write(self, payload: memoryview, finished) -> None:
+    """Writes the payload over the pieces; `finished(leaf)` is called for a
+    leaf whose last byte this was."""
+    while len(payload):
+      leaf, index, extent, wire, nbytes = self.pieces[self._piece]
+      if leaf.host is None:
+        leaf.host = np.empty(leaf.shape, wire)
+        leaf.nbytes_wire = leaf.host.nbytes
+      if leaf.host.dtype != wire:
+        raise StreamError('pieces of one leaf in different dtypes')
+      whole = extent == leaf.shape
+      if self._scratch is None:
+        self._scratch = (leaf.host if whole else np.empty(extent, wire))
+      flat = self._scratch.reshape(-1).view(np.uint8)
+      take = min(len(payload), nbytes - self._done_in_piece)
+      flat[self._done_in_piece:self._done_in_piece + take] = payload[:take]
+      self._done_in_piece += take
+      payload = payload[take:]
+      if self._done_in_piece == nbytes:
+        if not whole:
+          leaf.host[tuple(slice(a, b) for a, b in index)] = self._scratch
+        self._scratch = None
+        self._piece += 1
+        self._done_in_piece = 0
+        leaf.received += nbytes
+        if leaf.received > leaf.nbytes_wire:
+          raise StreamError('a leaf received more bytes than it holds'
+                            ' (overlapping shards)')
+        if leaf.received == leaf.nbytes_wire:
+          finished(leaf)
+
+
+class Staging:
+  """Version v arriving on a server, from `parts` learner processes.
+
+  Feed each process's stream through `begin` / `bucket` / `end`; when every
+  part ended and every leaf arrived, `state()` is the complete new state.
+  """
+
+  def __init__(self, abstract_state, version: int, parts: int):
+    """`abstract_state`: the engine's (`Engine.abstract_state()`)."""
+    self.version = version
+    self.parts = parts
+    self._abstract = abstract_state
+    self._leaves = {path: _Leaf(tuple(a.shape), np.dtype(a.dtype), a.sharding)
+                    for path, a in leaf_paths(nnx.to_pure_dict(
+                        abstract_state))}
+    self._streams: dict[int, _Part] = {}
+    self.ended: set[int] = set()
+    self.bytes = 0
+
+  def begin(self, header: dict) -> _Part:
+    """Checks a part's manifest against the served state."""
+    part = header['part']
+    if header['parts'] != self.parts:
+      raise StreamError(f'part {part} says {header["parts"]} parts, another'
+                        f' said {self.parts}')
+    if not 0 <= part < self.parts or part in self._streams:
+      raise StreamError(f'part {part} of {self.parts} is not expected')
+    unknown = sorted({p['path'] for p in header['pieces']}
+                     - set(self._leaves))
+    if unknown:
+      raise StreamError(f'{len(unknown)} pieces name no served parameter,'
+                        f' e.g. {unknown[0]}')
+    stream = _Part(header, self._leaves)
+    self._streams[part] = stream
+    return stream
+
+  def bucket(self, stream: _Part, message: bytes) -> None:
+    """Checks one bucket's header and checksum and stores its bytes."""
+    if len(message) < HEADER_BYTES:
+      raise StreamError('a bucket shorter than its header')
+    number, offset, size, crc = _HEADER.unpack_from(message)
+    payload = memoryview(message)[HEADER_BYTES:]
+    if number != stream.next_bucket or offset != stream.received:
+      raise StreamError(f'bucket {number} at offset {offset}; expected'
+                        f' bucket {stream.next_bucket} at {stream.received}')
+    if (size != len(payload) or size > stream.bucket_bytes
+        or stream.received + size > stream.total):
+      raise StreamError(f'bucket {number}: {len(payload)} bytes, header says'
+                        f' {size} (bucket size {stream.bucket_bytes},'
+                        f' {stream.total - stream.received} left)')
+    if zlib.crc32(payload) != crc:
+      raise StreamError(f'bucket {number}: checksum mismatch')
+    stream.write(payload, self._to_device)
+    stream.received += size
+    stream.next_bucket += 1
+    self.bytes += size
+
+  def _to_device(self, leaf: _Leaf) -> None:
+    host = leaf.host if leaf.host.dtype == leaf.dtype else leaf.host.astype(
+        leaf.dtype)
+    leaf.device = jax.device_put(host, leaf.sharding)
+    leaf.host = None
+
+  def end(self, stream: _Part, part: int) -> None:
+    """A part's stream ended; it must have sent all it announced."""
+    if stream.received != stream.total:
+      raise StreamError(f'the stream ended after {stream.received} of'
+                        f' {stream.total} bytes')
+    self.ended.add(part)
+
+  @property
+  def complete(self) -> bool:
+    return (len(self.ended) == self.parts
+            and all(l.device is not None for l in self._leaves.values()))
+
+  def missing(self) -> list[str]:
+    return [p for p, l in self._leaves.items() if l.device is None]
+
+  def state(self):
+    """The new nnx State (only when `complete`)."""
+    if not self.complete:
+      raise StreamError(f'version {self.version} is incomplete:'
+                        f' {len(self.missing())} parameters missing')
+    pure = nnx.to_pure_dict(self._abstract)
+    by_path = {p: l.device for p, l in self._leaves.items()}
+    filled = jax.tree_util.tree_map_with_path(
+        lambda path, _: by_path[_name(path)], pure)
+    state = jax.tree.map(lambda x: x, self._abstract)  # a structural copy
+    nnx.replace_by_pure_dict(state, filled)
+    return state
