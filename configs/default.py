@@ -351,7 +351,9 @@ def get_config(arg=None):
   # the next learner step. 'files' writes an orbax checkpoint per version
   # under <workdir>/weights for servers that share storage with the learner.
   c.rollout.weight_transport = 'stream'
-  c.rollout.weight_bucket_mib = 64.0  # one checksummed piece on the wire
+  # 4 MiB: gRPC in Python moves 1.2-1.9 GB/s in 1-4 MiB messages on loopback,
+  # 0.5 GB/s in 64 MiB ones (BENCHMARKS.md, "Weight sync").
+  c.rollout.weight_bucket_mib = 4.0  # one checksummed message on the wire
   c.rollout.weight_bucket_timeout_s = 30.0  # either side, per bucket
   c.rollout.no_server_grace_s = 180.0  # no live server this long: error
   c.rollout.max_restart_backoff_s = 30.0  # local servers: 1, 2, 4, ... s up to this

@@ -388,10 +388,17 @@ class Engine(engine_api.Engine):
         del self._emitted[:32]
 
   def generated_tokens(self) -> int:
-    """Tokens sampled since the engine started (every row, every step)."""
+    """Tokens sampled since the engine started (every row of every step
+    that has finished: the admin service's `Status` asks from the server's
+    event loop, which must never wait for a decode step)."""
     with self._emitted_lock:
-      return self._emitted_total + int(sum(np.asarray(e)
-                                           for e in self._emitted))
+      ready = 0
+      while ready < len(self._emitted) and self._emitted[ready].is_ready():
+        ready += 1
+      self._emitted_total += int(sum(np.asarray(e)
+                                     for e in self._emitted[:ready]))
+      del self._emitted[:ready]
+      return self._emitted_total
 
   def swap_pauses(self) -> dict:
     """Decoding at the last 64 weight swaps (seconds): how many were

@@ -185,16 +185,29 @@ class RolloutServer:
       stream = staging.begin(header)
       timeout = min(max(header['bucket_timeout_s'], _BUCKET_TIMEOUT_S[0]),
                     _BUCKET_TIMEOUT_S[1])
-      while True:
-        try:
-          message = await asyncio.wait_for(requests.__anext__(), timeout)
-        except StopAsyncIteration:
-          break
-        if arriving.done.is_set():
-          raise weight_stream.StreamError(f'version {staging.version} was'
-                                          ' replaced by a newer push')
-        # Checksums and copies off the loop: Decode streams share it.
-        await loop.run_in_executor(None, staging.bucket, stream, message)
+      storing = None  # the previous bucket, checked and stored meanwhile
+      try:
+        while True:
+          try:
+            message = await asyncio.wait_for(requests.__anext__(), timeout)
+          except StopAsyncIteration:
+            break
+          if arriving.done.is_set():
+            raise weight_stream.StreamError(f'version {staging.version} was'
+                                            ' replaced by a newer push')
+          if storing is not None:
+            await storing
+          # Checksums and copies off the loop (Decode streams share it),
+          # while the next bucket arrives.
+          storing = loop.run_in_executor(None, staging.bucket, stream,
+                                         message)
+        if storing is not None:
+          await storing
+      finally:
+        if storing is not None and not storing.done():
+          # Never two writers on one stream: a failure waits for the store
+          # in flight before the staging is dropped.
+          await asyncio.wait([storing])
       staging.end(stream, header['part'])
       if staging.complete and not arriving.done.is_set():
         state = await loop.run_in_executor(None, staging.state)

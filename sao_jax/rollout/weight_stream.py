@@ -40,7 +40,7 @@ from flax import nnx
 # CRC-32 of the payload.
 _HEADER = struct.Struct('<QQQI')
 HEADER_BYTES = _HEADER.size
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 4 << 20
 
 
 class StreamError(ValueError):

@@ -282,12 +282,14 @@ class StreamTransport:
     loop = asyncio.get_running_loop()
     messages = self.messages(pieces, version)
     try:
+      # Joining and checksumming a bucket off the loop (the workers'
+      # episodes share it), the next one while this one is written.
+      upcoming = loop.run_in_executor(None, next, messages, None)
       while True:
-        # Joining and checksumming a bucket off the loop (the workers'
-        # episodes share it).
-        message = await loop.run_in_executor(None, next, messages, None)
+        message = await upcoming
         if message is None:
           break
+        upcoming = loop.run_in_executor(None, next, messages, None)
         await asyncio.wait_for(call.write(message), self._bucket_timeout_s)
       await asyncio.wait_for(call.done_writing(), self._bucket_timeout_s)
     except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
