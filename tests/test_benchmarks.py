@@ -101,6 +101,21 @@ def test_rollout_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_weight_sync_benchmark_quick(tmp_path):
+  out = tmp_path / 'weight_sync.json'
+  proc = _script('benchmarks/weight_sync.py', '--quick', f'--out={out}',
+                 timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  tiny = json.loads(out.read_text())['models']['tiny']
+  for transport in ('bound_grpc', 'bound_tcp', 'stream', 'files'):
+    assert tiny[transport]['median_s'] > 0
+  # The server measured the swap of each push while it was decoding.
+  assert tiny['stream']['median_pause_s'] >= 0
+  assert tiny['stream']['median_first_step_s'] > 0
+  assert '| tiny | 0.00 | stream |' in proc.stdout
+
+
+@pytest.mark.slow
 def test_server_stress_benchmark_quick(tmp_path):
   out = tmp_path / 'server_stress.json'
   proc = _script('benchmarks/server_stress.py', '--quick', f'--out={out}')
