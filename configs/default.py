@@ -345,16 +345,20 @@ def get_config(arg=None):
   c.rollout.health_interval_s = 2.0  # seconds between health checks
   c.rollout.health_timeout_s = 5.0  # a slower answer marks a server sick
   c.rollout.push_timeout_s = 120.0  # one server loading one weight version
-  # How weights reach the servers: 'stream' sends them over the admin gRPC
-  # channel in checksummed buckets of weight_bucket_mib, in the servers'
-  # param dtype, straight into their device arrays (no file); a push overlaps
-  # the next learner step. 'files' writes an orbax checkpoint per version
-  # under <workdir>/weights for servers that share storage with the learner.
+  # How weights reach the servers: 'stream' sends them in checksummed buckets
+  # of weight_bucket_mib, in the servers' param dtype, straight into their
+  # device arrays (no file): the admin gRPC call authenticates the push and
+  # hands out a one-time token, and the bytes go over a TCP connection to the
+  # server's weight_data_port (gRPC in Python copies each message several
+  # times: BENCHMARKS.md, "Weight sync"). A push overlaps the next learner
+  # step. 'files' writes an orbax checkpoint per version under
+  # <workdir>/weights for servers that share storage with the learner.
   c.rollout.weight_transport = 'stream'
-  # 4 MiB: gRPC in Python moves 1.2-1.9 GB/s in 1-4 MiB messages on loopback,
-  # 0.5 GB/s in 64 MiB ones (BENCHMARKS.md, "Weight sync").
-  c.rollout.weight_bucket_mib = 4.0  # one checksummed message on the wire
+  c.rollout.weight_bucket_mib = 4.0  # the unit checksummed on arrival
   c.rollout.weight_bucket_timeout_s = 30.0  # either side, per bucket
+  # The server's data port for streamed pushes, on its bind_host: 0 a free
+  # one at each start; fix it where a firewall must let it through.
+  c.rollout.weight_data_port = 0
   c.rollout.no_server_grace_s = 180.0  # no live server this long: error
   c.rollout.max_restart_backoff_s = 30.0  # local servers: 1, 2, 4, ... s up to this
   # Host-side queue between workers and the learner.

@@ -261,8 +261,13 @@ def validate(config: ml_collections.ConfigDict,
   check.positive_int('rollout.num_workers')
   check.positive_int('rollout.max_concurrent_decodes')
   check.non_negative('rollout.prefix_cache_gib')
-  # The server's gRPC message limit (rollout/server.MAX_BUCKET_BYTES).
+  # A bucket is the unit checksummed and checked on arrival.
   check.closed_interval('rollout.weight_bucket_mib', 1 / 1024, 512)
+  port = check.get('rollout.weight_data_port')
+  if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                           or not 0 <= port < 65536):
+    problems.append(f'config.rollout.weight_data_port={port!r} must be a port'
+                    ' number, 0..65535 (0: a free one)')
   check.positive_int('rollout.max_in_flight_per_server')
   check.positive_int('rollout.max_new_tokens')
   check.non_negative_int('rollout.max_retries')

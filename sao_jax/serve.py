@@ -87,7 +87,8 @@ def main(argv: Sequence[str]) -> None:
     server = server_lib.RolloutServer(
         engine, port=_PORT.value, secret=secret,
         host=_HOST.value or config.rollout.bind_host,
-        weights_root=weights_root)
+        weights_root=weights_root,
+        data_port=config.rollout.weight_data_port)
   except server_lib.PortInUseError as e:
     raise config_lib.ConfigError(str(e)) from e
   stop = threading.Event()

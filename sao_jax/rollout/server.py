@@ -8,9 +8,10 @@ listens on loopback unless told otherwise, and stops gracefully.
 
 The admin service checks the secret before it looks at a request's bytes (an
 unauthenticated caller learns nothing but UNAUTHENTICATED), then answers a
-malformed request with INVALID_ARGUMENT. `PushWeights` streams a version's
-parameters in buckets (`weight_stream`): nothing is read from the stream
-before the secret is checked, each bucket must arrive within the manifest's
+malformed request with INVALID_ARGUMENT. `PushWeights` receives a version's
+parameters in buckets (`weight_stream`) over a data connection it admits by a
+one-time token (`weight_socket`): nothing is read from the call before the
+secret is checked, each bucket must arrive within the manifest's
 `bucket_timeout_s`, and the version is swapped in only when every parameter
 of every learner process's part arrived intact; decoding goes on meanwhile.
 `UpdateWeights` loads only checkpoints under the server's `weights_root` (the
@@ -24,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -33,6 +35,7 @@ import grpc
 from sao_jax import process_memory
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import weight_socket
 from sao_jax.rollout import weight_stream
 from sao_jax.rollout import weight_sync
 
@@ -40,15 +43,20 @@ orchestrator = jetstream_compat.orchestrator
 _log = logging.getLogger(__name__)
 
 
-# The most one bucket may hold; the server's gRPC message limit is set
-# from it (a bigger bucket is refused by gRPC before a byte is stored).
-MAX_BUCKET_BYTES = 512 << 20
 # Bounds on the per-bucket deadline a manifest may ask for.
 _BUCKET_TIMEOUT_S = (0.1, 600.0)
 
 
 class PortInUseError(RuntimeError):
   """The requested port could not be bound."""
+
+
+def _close(conn) -> None:
+  try:
+    conn.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass
+  conn.close()
 
 
 def weights_path(root: str, path: str) -> str | None:
@@ -79,7 +87,8 @@ class RolloutServer:
 
   def __init__(self, engine: engine_lib.Engine, *, port: int,
                secret: str, host: str = '127.0.0.1',
-               threads: int | None = None, weights_root: str | None = None):
+               threads: int | None = None, weights_root: str | None = None,
+               data_port: int = 0):
     """Starts serving on `host:port` (0: a free port, see `self.port`).
 
     Args:
@@ -90,6 +99,8 @@ class RolloutServer:
       threads: gRPC worker threads; default twice the decode slots, >= 16.
       weights_root: the directory `UpdateWeights` may load checkpoints from;
         None refuses every `UpdateWeights`.
+      data_port: the port streamed pushes send their bytes to, on `host`
+        (0: a free one; `self.data_port`).
     """
     self.engine = engine
     self._secret = secret
@@ -99,6 +110,12 @@ class RolloutServer:
     # replaces an unfinished older one) and push outcomes.
     self._arriving: _Arriving | None = None
     self._push_counts = {'pushes_committed': 0, 'pushes_failed': 0}
+    try:
+      self._data = weight_socket.Listener(host, data_port)
+    except OSError as e:
+      raise PortInUseError(f'cannot bind the weight data port'
+                           f' {host}:{data_port}: {e}') from e
+    self.data_port = self._data.port
     self._driver = orchestrator.Driver(
         prefill_engines=[engine], generate_engines=[engine],
         prefill_params=[None], generate_params=[None],
@@ -125,8 +142,9 @@ class RolloutServer:
     self._server = grpc.aio.server(
         self._executor,
         options=[('grpc.so_reuseport', 0),
-                 ('grpc.max_receive_message_length',
-                  MAX_BUCKET_BYTES + weight_stream.HEADER_BYTES)])
+                 # A manifest lists every piece: a sharded 70B policy's
+                 # runs to megabytes.
+                 ('grpc.max_receive_message_length', 64 << 20)])
     jetstream_compat.jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
         orchestrator.LLMOrchestrator(driver=self._driver), self._server)
     self._server.add_generic_rpc_handlers((self._admin_handler(),))
@@ -150,9 +168,9 @@ class RolloutServer:
           fn, response_serializer=weight_sync._encode)  # pylint: disable=protected-access
 
     return grpc.method_handlers_generic_handler(weight_sync.SERVICE, {
-        'PushWeights': grpc.stream_unary_rpc_method_handler(
-            self._push_weights,
-            response_serializer=weight_sync._encode),  # pylint: disable=protected-access
+        # Bidirectional: the data connection's token goes back mid-call.
+        'PushWeights': grpc.stream_stream_rpc_method_handler(
+            self._push_weights),
         'UpdateWeights': unary(self._update_weights),
         'Status': unary(self._status),
     })
@@ -168,15 +186,20 @@ class RolloutServer:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
   async def _push_weights(self, requests, context):
-    """Receives one learner process's part of a version (see module doc)."""
+    """Receives one learner process's part of a version (see module doc).
+
+    The call carries the manifest in, the data connection's port and token
+    out, and at the end the verdict; the buckets arrive on the connection
+    (`weight_socket`).
+    """
     if not weight_sync.authorized(context, self._secret):
       # Before the first message is read: an unauthenticated peer gets
-      # nothing stored (gRPC's own window is all it can fill).
+      # nothing stored and no token (gRPC's own window is all it can fill).
       await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           'wrong or missing admin secret')
     start = time.perf_counter()
     loop = asyncio.get_running_loop()
-    arriving = None
+    arriving = token = receiving = conn = None
     try:
       header = weight_stream.parse_manifest(
           await asyncio.wait_for(requests.__anext__(), _BUCKET_TIMEOUT_S[1]))
@@ -185,31 +208,28 @@ class RolloutServer:
       stream = staging.begin(header)
       timeout = min(max(header['bucket_timeout_s'], _BUCKET_TIMEOUT_S[0]),
                     _BUCKET_TIMEOUT_S[1])
-      storing = None  # the previous bucket, checked and stored meanwhile
-      try:
-        while True:
-          try:
-            message = await asyncio.wait_for(requests.__anext__(), timeout)
-          except StopAsyncIteration:
-            break
-          if arriving.done.is_set():
-            raise weight_stream.StreamError(f'version {staging.version} was'
-                                            ' replaced by a newer push')
-          if storing is not None:
-            await storing
-          # Checksums and copies off the loop (Decode streams share it),
-          # while the next bucket arrives.
-          storing = loop.run_in_executor(None, staging.bucket, stream,
-                                         message)
-        if storing is not None:
-          await storing
-      finally:
-        if storing is not None and not storing.done():
-          # Never two writers on one stream: a failure waits for the store
-          # in flight before the staging is dropped.
-          await asyncio.wait([storing])
+      token, connected = self._data.expect()
+      await context.write(weight_sync._encode(  # pylint: disable=protected-access
+          {'data_port': self._data.port, 'token': token.hex()}))
+      conn = await asyncio.wait_for(asyncio.wrap_future(connected), timeout)
+      # The reads off the loop (Decode streams share it).
+      receiving = loop.run_in_executor(None, weight_socket.receive_frames,
+                                       conn, staging, stream, timeout)
+      await receiving
+      # Received and checked; applied only when the learner confirms that
+      # it still wants it (it may have given up while we were stalled).
+      await context.write(weight_sync._encode(  # pylint: disable=protected-access
+          {'received': stream.received}))
+      confirm = weight_sync._decode(  # pylint: disable=protected-access
+          await asyncio.wait_for(requests.__anext__(), timeout))
+      if confirm.get('commit') != staging.version:
+        raise weight_stream.StreamError(f'expected the commit of version'
+                                        f' {staging.version}, got {confirm}')
+      if arriving.done.is_set():
+        raise weight_stream.StreamError(f'version {staging.version} was'
+                                        ' replaced by a newer push')
       staging.end(stream, header['part'])
-      if staging.complete and not arriving.done.is_set():
+      if staging.complete:
         state = await loop.run_in_executor(None, staging.state)
         if arriving.done.is_set():  # replaced while it was assembled
           raise weight_stream.StreamError(f'version {staging.version} was'
@@ -231,33 +251,41 @@ class RolloutServer:
           raise weight_stream.StreamError(
               f'version {staging.version} did not complete:'
               f' {len(staging.missing())} parameters missing')
-      return {'version': staging.version, 'committed': True,
-              'bytes': stream.received,
-              'seconds': time.perf_counter() - start}
+      await context.write(weight_sync._encode(  # pylint: disable=protected-access
+          {'version': staging.version, 'committed': True,
+           'bytes': stream.received, 'seconds': time.perf_counter() - start}))
     except StopAsyncIteration:
-      self._fail(arriving, 'the stream ended before its manifest')
+      self._fail(arriving, 'the call ended before its manifest or commit')
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          'PushWeights got no manifest')
+                          'PushWeights: the call ended before its manifest'
+                          ' or its commit')
     except asyncio.TimeoutError:
-      self._fail(arriving, 'a bucket did not arrive in time')
+      self._fail(arriving, 'the data connection or the commit did not'
+                 ' arrive in time')
       await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          'PushWeights: a bucket did not arrive in time')
+                          'PushWeights: the data connection or the commit'
+                          ' did not arrive in time')
+    except ValueError as e:  # a commit message that is not JSON
+      self._fail(arriving, str(e))
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f'PushWeights: {e}')
     except weight_stream.StreamError as e:
       self._fail(arriving, str(e))
-      # Read out what the sender still writes (each message within the
-      # bucket deadline) and stored nothing of it: aborting while it writes
-      # reaches it as INTERNAL, not as this reason.
-      try:
-        while True:
-          await asyncio.wait_for(requests.__anext__(), _BUCKET_TIMEOUT_S[1])
-      except (StopAsyncIteration, asyncio.TimeoutError, grpc.RpcError):
-        pass
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f'PushWeights: {e}')
     except asyncio.CancelledError:
       # The caller went away mid-stream (killed, cancelled).
       self._fail(arriving, 'the caller cancelled the stream')
       raise
+    finally:
+      if token is not None:
+        self._data.forget(token)
+      if conn is not None:
+        # Unblocks a read still in flight; never two writers on a staging:
+        # it is dropped only once that read gave up.
+        _close(conn)
+      if receiving is not None and not receiving.done():
+        await asyncio.wait([receiving])
 
   def _arriving_for(self, header: dict) -> '_Arriving':
     """The version being received; a push of another version replaces an
@@ -337,6 +365,8 @@ class RolloutServer:
         'version': self.engine.version,
         'swaps': len(self._swaps),
         **self._push_counts,
+        # Connections to the weight data port without a valid token.
+        'data_connections_refused': self._data.refused,
         # Longest gap between two decode steps across a version change,
         # and the serving weights' dtype (what a streamed push sends).
         'swap_pauses': self.engine.swap_pauses(),
@@ -373,6 +403,7 @@ class RolloutServer:
       self._shutdown_driver_and_loop()
 
   def _shutdown_driver_and_loop(self):
+    self._data.close()
     self._driver.stop()
     self._loop.call_soon_threadsafe(self._loop.stop)
     self._thread.join(timeout=10)

@@ -147,35 +147,44 @@ def manifest(pieces: Sequence[Piece], *, version: int, part: int = 0,
       'pieces': [p.describe() for p in pieces]}).encode()
 
 
-def buckets(pieces: Sequence[Piece], bucket_bytes: int
-            ) -> Iterator[bytes]:
-  """The pieces' bytes as header-prefixed messages of <= `bucket_bytes`."""
+def frames(pieces: Sequence[Piece], bucket_bytes: int
+           ) -> Iterator[tuple[bytes, list[memoryview]]]:
+  """The pieces' bytes cut into buckets of <= `bucket_bytes`: each its
+  header and views of the payload, nothing copied (a socket writes them
+  with one `sendmsg`)."""
   if bucket_bytes < 1:
     raise ValueError(f'bucket_bytes={bucket_bytes} must be >= 1')
   offset = number = 0
   parts: list[memoryview] = []
-  size = 0
+  size = crc = 0
 
   def flush():
-    nonlocal offset, number, parts, size
-    payload = b''.join(parts)
-    message = _HEADER.pack(number, offset, size, zlib.crc32(payload))
+    nonlocal offset, number, parts, size, crc
+    frame = (_HEADER.pack(number, offset, size, crc), parts)
     offset += size
     number += 1
-    parts, size = [], 0
-    return message + payload
+    parts, size, crc = [], 0, 0
+    return frame
 
   for piece in pieces:
     view = memoryview(piece.data.reshape(-1).view(np.uint8))
     while len(view):
       take = min(len(view), bucket_bytes - size)
       parts.append(view[:take])
+      crc = zlib.crc32(view[:take], crc)
       size += take
       view = view[take:]
       if size == bucket_bytes:
         yield flush()
   if size:
     yield flush()
+
+
+def buckets(pieces: Sequence[Piece], bucket_bytes: int
+            ) -> Iterator[bytes]:
+  """`frames` as single messages: header and payload joined."""
+  for header, parts in frames(pieces, bucket_bytes):
+    yield header + b''.join(parts)
 
 
 # -- the receiver -------------------------------------------------------------
@@ -262,13 +271,16 @@ class _Part:
     self._done_in_piece = 0
     self._scratch: np.ndarray | None = None
 
-  def write(self, payload: memoryview, finished) -> None:
-    """Writes the payload over the pieces; `finished(leaf)` is called for a
-    leaf whose last byte this was."""
-    while len(payload):
+  def regions(self, n: int, finished) -> Iterator[memoryview]:
+    """Writable views of where the stream's next `n` bytes go, in order;
+    fill each before asking for the next. `finished(leaf)` is called for a
+    leaf whose last byte was in a filled view."""
+    while n:
+      if self._piece == len(self.pieces):
+        raise StreamError('more bytes than the manifest announced')
       leaf, index, extent, wire, nbytes = self.pieces[self._piece]
       if leaf.host is None:
-        leaf.host = np.empty(leaf.shape, wire)
+        leaf.host = aligned_empty(leaf.shape, wire)
         leaf.nbytes_wire = leaf.host.nbytes
       if leaf.host.dtype != wire:
         raise StreamError('pieces of one leaf in different dtypes')
@@ -276,10 +288,10 @@ class _Part:
       if self._scratch is None:
         self._scratch = (leaf.host if whole else np.empty(extent, wire))
       flat = self._scratch.reshape(-1).view(np.uint8)
-      take = min(len(payload), nbytes - self._done_in_piece)
-      flat[self._done_in_piece:self._done_in_piece + take] = payload[:take]
+      take = min(n, nbytes - self._done_in_piece)
+      yield memoryview(flat[self._done_in_piece:self._done_in_piece + take])
       self._done_in_piece += take
-      payload = payload[take:]
+      n -= take
       if self._done_in_piece == nbytes:
         if not whole:
           leaf.host[tuple(slice(a, b) for a, b in index)] = self._scratch
@@ -292,6 +304,18 @@ class _Part:
                             ' (overlapping shards)')
         if leaf.received == leaf.nbytes_wire:
           finished(leaf)
+
+
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+  """An uninitialised array whose data starts on an `alignment`-byte
+  boundary: a CPU device can then take it as its buffer without a copy
+  (`device_put(..., may_alias=True)`), so a received leaf is not held
+  twice."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + alignment, np.uint8)
+  start = -raw.ctypes.data % alignment
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class Staging:
@@ -331,22 +355,43 @@ class Staging:
     return stream
 
   def bucket(self, stream: _Part, message: bytes) -> None:
-    """Checks one bucket's header and checksum and stores its bytes."""
+    """Checks one whole bucket (header and payload) and stores its bytes."""
     if len(message) < HEADER_BYTES:
       raise StreamError('a bucket shorter than its header')
-    number, offset, size, crc = _HEADER.unpack_from(message)
     payload = memoryview(message)[HEADER_BYTES:]
+
+    def copy(view):
+      nonlocal payload
+      view[:] = payload[:len(view)]
+      payload = payload[len(view):]
+
+    self.read_bucket(stream, message[:HEADER_BYTES], copy,
+                     available=len(payload))
+
+  def read_bucket(self, stream: _Part, header: bytes, fill, *,
+                  available: int | None = None) -> None:
+    """Checks a bucket's header, has `fill(view)` write its payload into
+    place (a socket's `recv_into`), then checks its checksum.
+
+    `available`: the payload's length where it is known up front (a whole
+    message); its header must agree.
+    """
+    number, offset, size, crc = _HEADER.unpack(header)
     if number != stream.next_bucket or offset != stream.received:
       raise StreamError(f'bucket {number} at offset {offset}; expected'
                         f' bucket {stream.next_bucket} at {stream.received}')
-    if (size != len(payload) or size > stream.bucket_bytes
+    if ((available is not None and size != available)
+        or size > stream.bucket_bytes
         or stream.received + size > stream.total):
-      raise StreamError(f'bucket {number}: {len(payload)} bytes, header says'
+      raise StreamError(f'bucket {number}: {available} bytes, header says'
                         f' {size} (bucket size {stream.bucket_bytes},'
                         f' {stream.total - stream.received} left)')
-    if zlib.crc32(payload) != crc:
+    got = 0
+    for view in stream.regions(size, self._to_device):
+      fill(view)
+      got = zlib.crc32(view, got)
+    if got != crc:
       raise StreamError(f'bucket {number}: checksum mismatch')
-    stream.write(payload, self._to_device)
     stream.received += size
     stream.next_bucket += 1
     self.bytes += size
@@ -354,7 +399,9 @@ class Staging:
   def _to_device(self, leaf: _Leaf) -> None:
     host = leaf.host if leaf.host.dtype == leaf.dtype else leaf.host.astype(
         leaf.dtype)
-    leaf.device = jax.device_put(host, leaf.sharding)
+    # may_alias: on a CPU device the aligned host buffer becomes the
+    # device's (no second copy); an accelerator copies it to its memory.
+    leaf.device = jax.device_put(host, leaf.sharding, may_alias=True)
     leaf.host = None
 
   def end(self, stream: _Part, part: int) -> None:

@@ -6,8 +6,11 @@ both over the admin gRPC service, authenticated by a shared secret:
 - `stream` (the default): the learner copies its parameters to the host in
   the servers' dtype and streams them in size-bounded, checksummed buckets
   (`weight_stream`) straight into each server's device arrays; no file on
-  either side. On a multi-host learner every process sends the shards it
-  holds, and a server commits the version once all parts arrived.
+  either side. The admin call authenticates the push and carries the
+  manifest and the verdict; the bytes go over a TCP connection it hands out
+  a one-time token for (`weight_socket`). On a multi-host learner every
+  process sends the shards it holds, and a server commits the version once
+  all parts arrived.
 - `files`: the learner writes an orbax checkpoint and tells every server
   (`UpdateWeights`) its path; each restores it with its own shardings. For
   servers that share storage with the learner but have no network path to
@@ -30,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +44,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sao_jax import errors
+from sao_jax.rollout import weight_socket
 from sao_jax.rollout import weight_stream
 
 SERVICE = 'sao_jax.Admin'
@@ -240,63 +245,106 @@ class StreamTransport:
   def retire(self, version: int) -> None:
     del version  # nothing kept but the current pieces
 
-  def messages(self, pieces: list[weight_stream.Piece], version: int):
-    """The stream of one push: the manifest, then the buckets."""
-    yield weight_stream.manifest(
+  def manifest(self, pieces: list[weight_stream.Piece], version: int
+               ) -> bytes:
+    return weight_stream.manifest(
         pieces, version=version, part=self.part, parts=self.parts,
         bucket_bytes=self._bucket_bytes,
         bucket_timeout_s=self._bucket_timeout_s)
-    yield from weight_stream.buckets(pieces, self._bucket_bytes)
+
+  def frames(self, pieces: list[weight_stream.Piece], version: int):
+    """The buckets of one push (`weight_stream.frames`)."""
+    del version
+    return weight_stream.frames(pieces, self._bucket_bytes)
 
   async def send(self, publisher: 'WeightPublisher', address: str,
                  pieces: list[weight_stream.Piece], version: int) -> None:
     """Streams `version` to `address`.
 
-    Every write has `bucket_timeout_s` and the whole call `push_timeout_s`;
-    meanwhile the server must answer a health check every
-    `health_timeout_s`, so a hung server (its gRPC stack stopped, e.g.
-    SIGSTOP, while our bytes sit in a socket buffer) fails the push within
-    about twice that, not at the push deadline.
+    The admin call sends the manifest and gets the data connection's token;
+    the buckets go over that connection (`weight_socket`); the call's last
+    message is the server's verdict. Every socket write has
+    `bucket_timeout_s` and the whole call `push_timeout_s`; meanwhile the
+    server must answer a health check every `health_timeout_s`, so a hung
+    server (e.g. SIGSTOP, while our bytes sit in a socket buffer) fails the
+    push within about twice that, not at the push deadline.
     """
     async with grpc.aio.insecure_channel(address) as channel:
-      call = channel.stream_unary(method('PushWeights'),
-                                  request_serializer=bytes,
-                                  response_deserializer=_decode)(
+      call = channel.stream_stream(method('PushWeights'),
+                                   request_serializer=bytes,
+                                   response_deserializer=_decode)(
           metadata=((SECRET_HEADER, publisher.secret),),
           timeout=publisher.push_timeout_s)
-      stream = asyncio.ensure_future(self._stream(call, pieces, version))
+      conn = []  # the data connection, once open (closed to stop a write)
+      stream = asyncio.ensure_future(
+          self._stream(call, address, pieces, version, conn))
       watchdog = asyncio.ensure_future(publisher.watch(address))
       try:
         await asyncio.wait((stream, watchdog),
                            return_when=asyncio.FIRST_COMPLETED)
         if not stream.done():
           call.cancel()
+          for c in conn:
+            _shut(c)
           watchdog.result()  # raises why the server was given up
         await stream
       finally:
         for task in (stream, watchdog):
           task.cancel()
         call.cancel()
+        for c in conn:
+          _shut(c)
 
-  async def _stream(self, call, pieces, version) -> None:
+  async def _stream(self, call, address, pieces, version, conn) -> None:
     loop = asyncio.get_running_loop()
-    messages = self.messages(pieces, version)
+    await call.write(self.manifest(pieces, version))
+    offer = await call.read()  # a failed call raises its status here
+    if offer is grpc.aio.EOF:
+      raise ConnectionError(f'{address} ended the push without a data'
+                            ' connection')
+    host = address.rsplit(':', 1)[0].strip('[]')
     try:
-      # Joining and checksumming a bucket off the loop (the workers'
-      # episodes share it), the next one while this one is written.
-      upcoming = loop.run_in_executor(None, next, messages, None)
-      while True:
-        message = await upcoming
-        if message is None:
-          break
-        upcoming = loop.run_in_executor(None, next, messages, None)
-        await asyncio.wait_for(call.write(message), self._bucket_timeout_s)
-      await asyncio.wait_for(call.done_writing(), self._bucket_timeout_s)
-    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
-      # The server ended the call (a write then fails with INTERNAL or on a
-      # finished call): its status says why.
+      token = bytes.fromhex(offer['token'])
+      port = int(offer['data_port'])
+    except (KeyError, TypeError, ValueError) as e:
+      raise ConnectionError(f'{address} offered no data connection:'
+                            f' {offer!r}') from e
+    try:
+      # Connecting, checksumming and writing off the loop (the workers'
+      # episodes share it); the kernel copies straight from the pieces.
+      sock = await loop.run_in_executor(
+          None, weight_socket.connect, host, port, token,
+          self._bucket_timeout_s)
+      conn.append(sock)
+      await loop.run_in_executor(None, weight_socket.send_frames, sock,
+                                 self.frames(pieces, version))
+    except socket.timeout as e:
+      raise asyncio.TimeoutError(
+          f'{address} took no weight bytes for {self._bucket_timeout_s:g}'
+          ' s') from e
+    except OSError:
+      # The server ended the push (a failed check closes the connection):
+      # its status says why; a dead server's call fails on its own.
       pass
-    await call
+    # All bytes arrived and passed their checks (or the read raises the
+    # server's status). The server commits only on our word: a push this
+    # side gave up on (its deadline passed while the server was stopped with
+    # our bytes in its socket buffer) is never applied behind our back.
+    for step in ('received', 'committed'):
+      answer = await call.read()
+      if answer is grpc.aio.EOF:
+        raise ConnectionError(f'{address} ended the push before it'
+                              f' {step} it')
+      if step == 'received':
+        await call.write(_encode({'commit': version}))
+
+
+def _shut(sock) -> None:
+  try:
+    sock.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass
+  sock.close()
 
 
 # By `config.rollout.weight_transport`; each builds itself `from_config`.
