@@ -214,7 +214,8 @@ async def run_case(args, name, learner_state, served_dtype, server, workdir,
   bucket_bytes = int(args.bucket_mib * (1 << 20))
   address = server.address
   stream = weight_sync.StreamTransport(dtype=served_dtype,
-                                       bucket_bytes=bucket_bytes)
+                                       bucket_bytes=bucket_bytes,
+                                       checksum=args.checksum)
   files = weight_sync.FileTransport(os.path.join(workdir, f'weights_{name}'))
   publishers = {
       'stream': weight_sync.WeightPublisher([address], SECRET,
@@ -307,7 +308,9 @@ def main():
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--slots', type=int, default=4)
   parser.add_argument('--max_tokens', type=int, default=96)
-  parser.add_argument('--bucket_mib', type=float, default=4.0)
+  parser.add_argument('--bucket_mib', type=float, default=16.0)
+  parser.add_argument('--checksum', default='sum64',
+                      choices=tuple(weight_stream.CHECKSUMS))
   parser.add_argument('--warmup_s', type=float, default=20.0)
   parser.add_argument('--out', default='benchmarks/results/weight_sync.json')
   args = parser.parse_args()
@@ -326,7 +329,8 @@ def main():
   out = {'machine': {'platform': platform.platform(), 'cpus': os.cpu_count(),
                      'command': ' '.join(sys.argv),
                      'date': time.strftime('%Y-%m-%d')},
-         'bucket_mib': args.bucket_mib, 'slots': args.slots, 'models': {}}
+         'bucket_mib': args.bucket_mib, 'checksum': args.checksum,
+         'slots': args.slots, 'models': {}}
   try:
     for name in names:
       source, learner_dtype, served_dtype = cases[name]

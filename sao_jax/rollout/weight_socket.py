@@ -25,6 +25,7 @@ import hmac
 import logging
 import secrets
 import socket
+import struct
 import threading
 from collections.abc import Iterable
 from concurrent import futures
@@ -51,6 +52,24 @@ def _tune(sock: socket.socket) -> None:
     except OSError:  # a kernel that caps buffers keeps its own size
       pass
   sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _blocking(sock: socket.socket, timeout_s: float) -> None:
+  """Blocking I/O with the kernel's own timeouts (SO_RCVTIMEO, SO_SNDTIMEO).
+
+  A socket with a Python timeout is non-blocking underneath: every partial
+  read or write returns to Python and must take the GIL back, which a busy
+  decode thread holds for up to the switch interval (5 ms) each time. A
+  blocking socket fills a whole region with one `recv_into(MSG_WAITALL)` and
+  writes a whole bucket with one `sendmsg`, so a transfer takes the GIL a
+  few times per bucket, not per kernel chunk. A kernel timeout surfaces as
+  `BlockingIOError` (EAGAIN), turned into `TimeoutError` below.
+  """
+  sock.settimeout(None)
+  seconds = max(timeout_s, 0.001)
+  timeval = struct.pack('ll', int(seconds), int(seconds % 1 * 1e6))
+  for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+    sock.setsockopt(socket.SOL_SOCKET, option, timeval)
 
 
 class Listener:
@@ -139,9 +158,12 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 
 def _fill(conn: socket.socket, view: memoryview) -> None:
   """Reads exactly `len(view)` bytes into `view`; EOFError if the peer
-  closed first."""
+  closed first, TimeoutError if it sent nothing for the socket's timeout."""
   while len(view):
-    got = conn.recv_into(view)
+    try:
+      got = conn.recv_into(view, len(view), socket.MSG_WAITALL)
+    except BlockingIOError as e:  # SO_RCVTIMEO passed with nothing read
+      raise TimeoutError('no bytes within the timeout') from e
     if not got:
       raise EOFError('the connection closed mid-stream')
     view = view[got:]
@@ -156,7 +178,7 @@ def receive_frames(conn: socket.socket, staging: weight_stream.Staging,
     weight_stream.StreamError: for a bucket that fails its checks, or a
       connection that closes or stalls before the part is complete.
   """
-  conn.settimeout(timeout_s)
+  _blocking(conn, timeout_s)
   header = memoryview(bytearray(weight_stream.HEADER_BYTES))
   try:
     while stream.received < stream.total:
@@ -179,22 +201,32 @@ def receive_frames(conn: socket.socket, staging: weight_stream.Staging,
 
 def connect(host: str, port: int, token: bytes,
             timeout_s: float) -> socket.socket:
-  """The learner's end of a data connection, its token presented."""
+  """The learner's end of a data connection, its token presented; each
+  later write gets `timeout_s`."""
   conn = socket.create_connection((host, port), timeout=timeout_s)
   _tune(conn)
   conn.sendall(token)
+  _blocking(conn, timeout_s)
   return conn
 
 
 def send_frames(conn: socket.socket,
                 frames: Iterable[tuple[bytes, list[memoryview]]]) -> int:
   """Writes `weight_stream.frames` to `conn` (each bucket one `sendmsg`,
-  resumed where the kernel took only part); returns the bytes sent."""
+  resumed where the kernel took only part); returns the bytes sent.
+
+  Raises:
+    TimeoutError: the peer took nothing for the socket's timeout.
+  """
   sent = 0
   for header, parts in frames:
     buffers = [memoryview(header), *parts]
     while buffers:
-      n = conn.sendmsg(buffers[:_IOV_MAX])
+      try:
+        n = conn.sendmsg(buffers[:_IOV_MAX])
+      except BlockingIOError as e:  # SO_SNDTIMEO passed with nothing sent
+        raise TimeoutError('the peer took no bytes within the'
+                           ' timeout') from e
       sent += n
       while buffers and n >= len(buffers[0]):
         n -= len(buffers[0])

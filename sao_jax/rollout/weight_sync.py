@@ -218,23 +218,27 @@ class StreamTransport:
     del weights_dir
     return cls(dtype=dtype,
                bucket_bytes=int(rollout.weight_bucket_mib * (1 << 20)),
+               checksum=rollout.weight_checksum,
                bucket_timeout_s=rollout.weight_bucket_timeout_s, part=part,
                parts=parts)
 
   def __init__(self, *, dtype: str = '', bucket_bytes: int =
                weight_stream.DEFAULT_BUCKET_BYTES,
-               bucket_timeout_s: float = 30.0, part: int = 0, parts: int = 1):
+               bucket_timeout_s: float = 30.0, part: int = 0, parts: int = 1,
+               checksum: str = 'sum64'):
     """Sets up the transport.
 
     Args:
       dtype: the servers' parameter dtype, converted to here ('' as is).
       bucket_bytes: the most one message carries.
+      checksum: each bucket's, a name of `weight_stream.CHECKSUMS`.
       bucket_timeout_s: how long either side waits for one bucket.
       part: this learner process's index; parts: how many send each version.
     """
     self._dtype = dtype
     self._bucket_bytes = bucket_bytes
     self._bucket_timeout_s = bucket_timeout_s
+    self._checksum = checksum
     self.part, self.parts = part, parts
 
   def prepare(self, policy_state, version: int
@@ -250,12 +254,12 @@ class StreamTransport:
     return weight_stream.manifest(
         pieces, version=version, part=self.part, parts=self.parts,
         bucket_bytes=self._bucket_bytes,
-        bucket_timeout_s=self._bucket_timeout_s)
+        bucket_timeout_s=self._bucket_timeout_s, checksum=self._checksum)
 
   def frames(self, pieces: list[weight_stream.Piece], version: int):
     """The buckets of one push (`weight_stream.frames`)."""
     del version
-    return weight_stream.frames(pieces, self._bucket_bytes)
+    return weight_stream.frames(pieces, self._bucket_bytes, self._checksum)
 
   async def send(self, publisher: 'WeightPublisher', address: str,
                  pieces: list[weight_stream.Piece], version: int) -> None:

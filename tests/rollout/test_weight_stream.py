@@ -36,12 +36,13 @@ def values(seed=0):
 
 
 def receive(staging, pieces, version=3, part=0, parts=1, bucket_bytes=7,
-            corrupt=None):
+            corrupt=None, checksum='sum64'):
   header = weight_stream.parse_manifest(weight_stream.manifest(
       pieces, version=version, part=part, parts=parts,
-      bucket_bytes=bucket_bytes))
+      bucket_bytes=bucket_bytes, checksum=checksum))
   stream = staging.begin(header)
-  for i, message in enumerate(weight_stream.buckets(pieces, bucket_bytes)):
+  for i, message in enumerate(weight_stream.buckets(pieces, bucket_bytes,
+                                                    checksum)):
     if corrupt is not None:
       message = corrupt(i, message)
       if message is None:
@@ -50,14 +51,16 @@ def receive(staging, pieces, version=3, part=0, parts=1, bucket_bytes=7,
   staging.end(stream, part)
 
 
-@pytest.mark.parametrize('wire', ['float32', 'bfloat16'])
-def test_a_version_arrives_exactly_in_the_served_dtype(wire):
+@pytest.mark.parametrize('wire, checksum', [('float32', 'sum64'),
+                                            ('bfloat16', 'sum64'),
+                                            ('float32', 'crc32')])
+def test_a_version_arrives_exactly_in_the_served_dtype(wire, checksum):
   served = jnp.float32 if wire == 'float32' else jnp.bfloat16
   staging = weight_stream.Staging(abstract(Tiny(served)), 3, parts=1)
   sent = values()
   # Buckets of 7 bytes: every piece is cut across buckets and buckets
   # straddle pieces.
-  receive(staging, weight_stream.host_pieces(sent, wire))
+  receive(staging, weight_stream.host_pieces(sent, wire), checksum=checksum)
   assert staging.complete and staging.bytes == sum(
       v.size for v in sent.values()) * np.dtype(
           weight_stream.dtype_of(wire)).itemsize
@@ -116,6 +119,41 @@ def flip(i, message):
   changed = bytearray(message)
   changed[-1] ^= 1
   return bytes(changed)
+
+
+def sum64_reference(data: bytes) -> int:
+  """The words of `data` (little-endian, the tail zero-padded) summed
+  modulo 2**64, one Python int at a time."""
+  padded = data + bytes(-len(data) % 8)
+  return sum(int.from_bytes(padded[i:i + 8], 'little')
+             for i in range(0, len(padded), 8)) % 2**64
+
+
+@pytest.mark.parametrize('n', [0, 5, 8, 64, 1003])
+def test_sum64_sums_the_words_and_sees_a_changed_or_zeroed_byte(n):
+  data = np.random.default_rng(n).integers(0, 256, n, np.uint8).tobytes()
+  sum64 = weight_stream.CHECKSUMS['sum64']
+  assert sum64(memoryview(data)) == sum64_reference(data)
+  # Wrap-around: words near 2**64 carry out of the sum.
+  assert sum64(memoryview(b'\xff' * 16)) == (2 * (2**64 - 1)) % 2**64
+  for at in range(0, n, max(1, n // 7)):
+    for bit in (0, 7):
+      changed = bytearray(data)
+      changed[at] ^= 1 << bit
+      assert sum64(memoryview(changed)) != sum64(memoryview(data))
+  if any(data[:64]):
+    zeroed = bytes(64) + data[64:]
+    assert sum64(memoryview(zeroed)) != sum64(memoryview(data))
+
+
+def test_an_unknown_checksum_is_refused_on_both_sides():
+  pieces = weight_stream.host_pieces(values())
+  with pytest.raises(ValueError, match='sum64, crc32'):
+    weight_stream.manifest(pieces, version=1, checksum='md5')
+  header = json.loads(weight_stream.manifest(pieces, version=1))
+  header['checksum'] = 'md5'
+  with pytest.raises(weight_stream.StreamError, match='checksum must be'):
+    weight_stream.parse_manifest(json.dumps(header).encode())
 
 
 @pytest.mark.parametrize('corrupt, match', [
