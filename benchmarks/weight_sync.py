@@ -51,6 +51,7 @@ import time
 import grpc
 import numpy as np
 
+from sao_jax import checksums
 from sao_jax import process_memory
 from sao_jax.models import architectures
 from sao_jax.models import pretrained
@@ -310,7 +311,7 @@ def main():
   parser.add_argument('--max_tokens', type=int, default=96)
   parser.add_argument('--bucket_mib', type=float, default=16.0)
   parser.add_argument('--checksum', default='sum64',
-                      choices=tuple(weight_stream.CHECKSUMS))
+                      choices=tuple(checksums.CHECKSUMS))
   parser.add_argument('--warmup_s', type=float, default=20.0)
   parser.add_argument('--out', default='benchmarks/results/weight_sync.json')
   args = parser.parse_args()

@@ -26,6 +26,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from sao_jax import checksums
 from sao_jax import errors
 from sao_jax import kernels
 from sao_jax import sharding
@@ -36,7 +37,6 @@ from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.rl import algorithms
 from sao_jax.rl import losses
-from sao_jax.rollout import weight_stream
 
 RUNNING_MEAN_SCOPES = ('prompt', 'global')
 ADVANTAGE_VALUES = ('pre_update', 'post_update')
@@ -264,7 +264,7 @@ def validate(config: ml_collections.ConfigDict,
   check.non_negative('rollout.prefix_cache_gib')
   # A bucket is the unit checksummed and checked on arrival.
   check.closed_interval('rollout.weight_bucket_mib', 1 / 1024, 512)
-  check.choice('rollout.weight_checksum', tuple(weight_stream.CHECKSUMS))
+  check.choice('rollout.weight_checksum', tuple(checksums.CHECKSUMS))
   port = check.get('rollout.weight_data_port')
   if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                            or not 0 <= port < 65536):

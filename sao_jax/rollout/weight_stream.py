@@ -30,13 +30,14 @@ import json
 import math
 import mmap
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 
 import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+
+from sao_jax import checksums
 
 # Bucket header: bucket number, byte offset in the stream, payload length,
 # CRC-32 of the payload.
@@ -155,34 +156,14 @@ def _convert(x: jax.Array, dtype: np.dtype) -> jax.Array:
   return x.astype(dtype)
 
 
-def _sum64(payload: memoryview) -> int:
-  """The payload's little-endian 64-bit words summed modulo 2**64 (a short
-  tail as one zero-padded word): any change confined to one word, a
-  truncation or a zeroed run of nonzero bytes shows; a reordering within the
-  bucket does not (TCP delivers in order; the header checks placement).
-  One pass at memory speed: ~7x zlib.crc32 here."""
-  whole = len(payload) // 8 * 8
-  total = int(np.add.reduce(np.frombuffer(payload[:whole], np.uint64),
-                            dtype=np.uint64)) if whole else 0
-  total += int.from_bytes(payload[whole:], 'little')
-  return total % (1 << 64)
-
-
-# Per-bucket checksums by name (`rollout.weight_checksum`; the manifest names
-# the one a stream uses). sum64 is the default: zlib.crc32 also catches
-# reordered bytes, at a cost that was ~0.3 s of a 0.9 s push of 0.54 GB
-# under decode load on 2 cores (docs/design/weight_sync.md).
-CHECKSUMS = {'sum64': _sum64, 'crc32': zlib.crc32}
-
-
 def manifest(pieces: Sequence[Piece], *, version: int, part: int = 0,
              parts: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              bucket_timeout_s: float = 30.0,
              checksum: str = 'sum64') -> bytes:
   """The stream's first message."""
-  if checksum not in CHECKSUMS:
+  if checksum not in checksums.CHECKSUMS:
     raise ValueError(f'checksum={checksum!r} is not one of'
-                     f' {", ".join(CHECKSUMS)}')
+                     f' {", ".join(checksums.CHECKSUMS)}')
   return json.dumps({
       'version': int(version), 'part': int(part), 'parts': int(parts),
       'bucket_bytes': int(bucket_bytes),
@@ -199,14 +180,14 @@ def frames(pieces: Sequence[Piece], bucket_bytes: int,
 
   A bucket inside one piece is a view of it; one that spans pieces is
   joined into one buffer (a memcpy, with the GIL held) so that its checksum
-  (`CHECKSUMS[checksum]`) is one call. Each call that releases the GIL must take it
+  (`checksums.CHECKSUMS[checksum]`) is one call. Each call that releases the GIL must take it
   back, and in a process whose other threads run Python (the learner's
   episode workers) that costs up to the interpreter's switch interval: a
   few such calls per bucket, not one per piece (docs/design/weight_sync.md).
   """
   if bucket_bytes < 1:
     raise ValueError(f'bucket_bytes={bucket_bytes} must be >= 1')
-  check = CHECKSUMS[checksum]
+  check = checksums.CHECKSUMS[checksum]
   offset = number = 0
   parts: list[memoryview] = []
   size = 0
@@ -265,9 +246,9 @@ def parse_manifest(message: bytes) -> dict:
                         f' {value!r}')
   if header['parts'] < 1 or header['bucket_bytes'] < 1:
     raise StreamError('a manifest needs parts >= 1 and bucket_bytes >= 1')
-  if header.get('checksum') not in CHECKSUMS:
+  if header.get('checksum') not in checksums.CHECKSUMS:
     raise StreamError(f'manifest field checksum must be one of'
-                      f' {", ".join(CHECKSUMS)}, got'
+                      f' {", ".join(checksums.CHECKSUMS)}, got'
                       f' {header.get("checksum")!r}')
   timeout = header.get('bucket_timeout_s')
   if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -305,7 +286,7 @@ class _Part:
   def __init__(self, header: dict, leaves: dict[str, _Leaf]):
     self.total = header['total_bytes']
     self.bucket_bytes = header['bucket_bytes']
-    self.checksum = CHECKSUMS[header['checksum']]
+    self.checksum = checksums.CHECKSUMS[header['checksum']]
     self.received = 0
     self.next_bucket = 0
     self.pieces = []

@@ -231,7 +231,7 @@ class StreamTransport:
     Args:
       dtype: the servers' parameter dtype, converted to here ('' as is).
       bucket_bytes: the most one message carries.
-      checksum: each bucket's, a name of `weight_stream.CHECKSUMS`.
+      checksum: each bucket's, a name of `checksums.CHECKSUMS`.
       bucket_timeout_s: how long either side waits for one bucket.
       part: this learner process's index; parts: how many send each version.
     """

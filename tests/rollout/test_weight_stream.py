@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sao_jax import checksums
 from sao_jax.rollout import weight_stream
 
 
@@ -132,7 +133,7 @@ def sum64_reference(data: bytes) -> int:
 @pytest.mark.parametrize('n', [0, 5, 8, 64, 1003])
 def test_sum64_sums_the_words_and_sees_a_changed_or_zeroed_byte(n):
   data = np.random.default_rng(n).integers(0, 256, n, np.uint8).tobytes()
-  sum64 = weight_stream.CHECKSUMS['sum64']
+  sum64 = checksums.CHECKSUMS['sum64']
   assert sum64(memoryview(data)) == sum64_reference(data)
   # Wrap-around: words near 2**64 carry out of the sum.
   assert sum64(memoryview(b'\xff' * 16)) == (2 * (2**64 - 1)) % 2**64
