@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from sao_jax import xla_flags
 from sao_jax.logs import metrics_log
 import processes  # tests/processes.py
 
@@ -147,13 +148,19 @@ def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
 def test_long_horizon_episodes_train_and_reuse_the_servers_kv(tmp_path):
   """configs/long_horizon.py: 12-turn episodes of ~2.5k tokens, packed into
   4k-token rows (blockwise attention), and turns after the first prefill
-  mostly the appended observation."""
+  mostly the appended observation. Four episodes a step, not the recipe's
+  eight: the same rows and turns at 0.74x the CPU time (the suite's
+  longest test; docs/design/test_suite_time.md)."""
   proc = subprocess.run(
       [sys.executable, '-m', 'sao_jax.train', '--config=configs/long_horizon.py',
        f'--workdir={tmp_path}', '--config.total_steps=2',
-       '--config.eval.at_start=False', '--config.checkpoint.every=2'],
+       '--config.eval.at_start=False', '--config.checkpoint.every=2',
+       '--config.batch_size=4', '--config.rollout.num_workers=4',
+       '--config.task.held_out=4', '--config.eval.batch_size=4'],
       cwd=ROOT, capture_output=True, text=True, timeout=900,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+      # One CPU device, as a user's run has (not conftest's eight fake ones).
+      env=xla_flags.child_environment(
+          dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)))
   assert proc.returncode == 0, proc.stderr[-4000:]
   records = metrics_log.read_jsonl(tmp_path / 'metrics.jsonl', dedupe=True)
   assert [r['step'] for r in records if 'train/reward' in r] == [1, 2]
