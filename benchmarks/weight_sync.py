@@ -16,15 +16,18 @@ and pushes new versions of the weights, alternating per repeat:
     dtype, checksummed buckets over a TCP connection the admin call hands
     out, the server reads them into place on its device and swaps): its
     bound is the TCP copy;
+  * stream_overlapped: the same, with the push started while the copy to
+    the host runs (`rollout.weight_send_while_copying`);
   * files: `weight_sync.FileTransport` (orbax checkpoint of the learner's
     parameters, `UpdateWeights`, the server restores and swaps).
 
 Reported per transport, medians over `--repeats`: seconds per push (the
-learner's prepare included), GB/s of served weights, the server's decode
-pause at the swap and its first step under the new weights (the refresh of
-rows in flight) next to the step after it, and the extra resident memory of
-both processes during a push (peak minus the level just before it, sampled
-every 5 ms) next to the size of one copy of the served weights.
+learner's prepare included; a stream's overlaps its send), GB/s of served
+weights, the server's decode pause at the swap and its first step under the
+new weights (the refresh of rows in flight) next to the step after it, and
+the extra resident memory of both processes during a push (peak minus the
+level just before it, sampled every 5 ms) next to the size of one copy of
+the served weights.
 
 The 1B case is Llama-3.2-1B's shape with random weights: the learner holds
 f32 parameters, the server bf16 ones, so `stream` sends bf16 (converted by
@@ -196,6 +199,10 @@ async def decode_load(address, prompts, max_tokens, stop: asyncio.Event):
     return sum(await asyncio.gather(*(loop(p) for p in prompts)))
 
 
+# In turn within each repeat; `stream_overlapped` sends while it copies.
+TRANSPORTS = ('stream', 'stream_overlapped', 'files')
+
+
 async def swap_record(address: str, swaps_before: int) -> dict:
   """The server's pause record of the swap after `swaps_before` (waits for
   the step after the first under the new weights)."""
@@ -222,10 +229,12 @@ async def run_case(args, name, learner_state, served_dtype, server, workdir,
       'stream': weight_sync.WeightPublisher([address], SECRET,
                                             transport=stream,
                                             push_timeout_s=3600),
+      'stream_overlapped': weight_sync.WeightPublisher(
+          [address], SECRET, transport=stream, push_timeout_s=3600),
       'files': weight_sync.WeightPublisher([address], SECRET,
                                            transport=files,
                                            push_timeout_s=3600)}
-  results = {k: [] for k in ('bound_grpc', 'bound_tcp', 'stream', 'files')}
+  results = {k: [] for k in ('bound_grpc', 'bound_tcp') + TRANSPORTS}
   stop = asyncio.Event()
   load = asyncio.create_task(decode_load(address, prompts, args.max_tokens,
                                          stop))
@@ -233,25 +242,35 @@ async def run_case(args, name, learner_state, served_dtype, server, workdir,
   loop = asyncio.get_running_loop()
   version = 0
   for _ in range(args.repeats):
-    pieces = stream.prepare(learner_state, 0)
+    pieces = stream.prepare(learner_state, 0).pieces()  # on the host
     results['bound_grpc'].append(
         {'seconds': await grpc_bound(sink_ports['grpc'], pieces,
                                      bucket_bytes)})
     results['bound_tcp'].append({'seconds': await loop.run_in_executor(
         None, tcp_bound, sink_ports['tcp'], pieces)})
     del pieces
-    for transport in ('stream', 'files'):
+    for transport in TRANSPORTS:
       version += 1
       publisher = publishers[transport]
       swaps = (await weight_sync.server_status(address, SECRET, 120)
                )['swap_pauses']['count']
       with RssSampler(server.process.pid) as rss:
+        # As `RolloutSystem.push_weights` does it: `prepare_s` is the wait
+        # for the copy to the host (what the learner waits for); overlapped,
+        # the push starts at once and sends each piece once it is there
+        # (`rollout.weight_send_while_copying`).
         start = time.perf_counter()
+        # Off the loop: the files transport writes its checkpoint here.
         prepared = await loop.run_in_executor(
             None, publisher.transport.prepare, learner_state, version)
-        prepared_at = time.perf_counter()
         publisher.set_current(prepared, version)
-        push = await publisher.push(prepared, version)
+        if transport == 'stream_overlapped':
+          pushing = asyncio.ensure_future(publisher.push(prepared, version))
+        await loop.run_in_executor(None, publisher.transport.wait, prepared)
+        prepared_at = time.perf_counter()
+        if transport != 'stream_overlapped':
+          pushing = asyncio.ensure_future(publisher.push(prepared, version))
+        push = await pushing
         end = time.perf_counter()
         del prepared
         publisher.current = None
@@ -288,6 +307,10 @@ async def run_case(args, name, learner_state, served_dtype, server, workdir,
                                      / summary['bound_grpc']['gb_per_s'])
   summary['stream_over_files'] = (summary['stream']['gb_per_s']
                                   / summary['files']['gb_per_s'])
+  for key in ('of_bound', 'over_files'):
+    other = 'bound_tcp' if key == 'of_bound' else 'files'
+    summary[f'stream_overlapped_{key}'] = (
+        summary['stream_overlapped']['gb_per_s'] / summary[other]['gb_per_s'])
   return summary
 
 
@@ -382,7 +405,7 @@ def main():
   print('|---|---|---|---|---|---|---|---|---|---|')
   for name, s in out['models'].items():
     bound = s['bound_tcp']['gb_per_s']
-    for key in ('bound_tcp', 'bound_grpc', 'stream', 'files'):
+    for key in ('bound_tcp', 'bound_grpc') + TRANSPORTS:
       row = s[key]
       extra = (f' {row["median_pause_s"] * 1e3:.1f} |'
                f' {row["median_first_step_s"]:.2f} /'

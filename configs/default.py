@@ -363,6 +363,24 @@ def get_config(arg=None):
   # ~0.3 s of a 0.9 s push of 0.54 GB on 2 cores under decode load).
   c.rollout.weight_checksum = 'sum64'
   c.rollout.weight_bucket_timeout_s = 30.0  # either side, per bucket
+  # True: a streamed push starts while the parameters are still being copied
+  # to the host, each piece sent once it is there: the push ends sooner, but
+  # where copy and send share the cores the copy (which the learner waits
+  # for) takes longer; on the 2-core demo machine 2-3x (BENCHMARKS.md,
+  # "Weight sync"). False: copy, then send during the next step.
+  c.rollout.weight_send_while_copying = False
+  # 'sparse': a server that acknowledged the last version gets only the
+  # elements whose bits (in its dtype) changed since, as indices and values,
+  # piece by piece where that is smaller (docs/design/weight_sync.md,
+  # "Deltas"); the learner keeps one more host copy of the weights. Pays in
+  # bf16, where most of a small step's changes round away; an f32 Adam step
+  # changes nearly every element. 'off': every version whole.
+  c.rollout.weight_delta = 'off'
+  # > 0: an element is sent only once it moved by more than this fraction of
+  # its served value (so servers hold weights within it of the learner's);
+  # every weight_delta_anchor_every-th version then goes whole and exact.
+  c.rollout.weight_delta_rtol = 0.0
+  c.rollout.weight_delta_anchor_every = 16  # 0: only the first version whole
   # The server's data port for streamed pushes, on its bind_host: 0 a free
   # one at each start; fix it where a firewall must let it through.
   c.rollout.weight_data_port = 0

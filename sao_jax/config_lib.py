@@ -265,6 +265,14 @@ def validate(config: ml_collections.ConfigDict,
   # A bucket is the unit checksummed and checked on arrival.
   check.closed_interval('rollout.weight_bucket_mib', 1 / 1024, 512)
   check.choice('rollout.weight_checksum', tuple(checksums.CHECKSUMS))
+  delta = check.choice('rollout.weight_delta', ('off', 'sparse'))
+  check.non_negative('rollout.weight_delta_rtol')
+  check.non_negative_int('rollout.weight_delta_anchor_every')
+  if delta not in (None, 'off') and check.get(
+      'rollout.weight_transport') != 'stream':
+    problems.append(f'config.rollout.weight_delta={delta!r} needs'
+                    ' config.rollout.weight_transport=stream (a checkpoint'
+                    ' is always whole)')
   port = check.get('rollout.weight_data_port')
   if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                            or not 0 <= port < 65536):

@@ -82,6 +82,8 @@ def test_presets_follow_the_paper():
     ('rollout.temperature', 0.0, r'config.rollout.temperature=0.0 must be > 0: a greedy rollout has no sampling distribution mu'),
     ('critic.minibatches', 3, r'config.batch_size=16 must split into config.critic.minibatches=3 mini-batches'),
     ('critic.minibatches', -1, r'config.critic.minibatches=-1 must be >= 0'),
+    ('rollout.weight_delta', 'xor', r"config.rollout.weight_delta='xor' is not one of off, sparse"),
+    ('rollout.weight_delta_rtol', -0.1, r'config.rollout.weight_delta_rtol=-0.1 must be >= 0'),
 ])
 def test_validate_names_the_bad_key(key, value, message):
   config = default()
@@ -94,6 +96,17 @@ def test_validate_names_the_bad_key(key, value, message):
     config_lib.validate(config, num_devices=8)
   assert '\n' not in str(info.value)
 
+
+
+def test_deltas_need_the_streamed_transport():
+  config = default()
+  config.rollout.weight_delta = 'sparse'
+  config_lib.validate(config, num_devices=8)
+  config.rollout.weight_transport = 'files'
+  with pytest.raises(config_lib.ConfigError,
+                     match='weight_delta=.sparse. needs config.rollout'
+                     '.weight_transport=stream'):
+    config_lib.validate(config, num_devices=8)
 
 
 def test_queue_capacity_is_checked_against_each_hosts_share():

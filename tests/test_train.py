@@ -50,9 +50,11 @@ def test_tiny_config_trains_and_reward_rises(tmp_path):
               'rollout/server_swap_pause_max_seconds',
               'policy/nonfinite_skips'):
     assert key in last, key
-  # Weights were streamed: no file was written for them.
-  assert not os.listdir(tmp_path / 'weights')
+  # Weights were streamed: no file (nor its directory) was written.
+  assert not (tmp_path / 'weights').exists()
   assert last['rollout/servers_updated'] == 1
+  assert last['rollout/weight_push_megabytes'] == pytest.approx(
+      last['rollout/weight_version_megabytes'])  # deltas are off
   assert last['rollout/staleness_max'] <= 2  # config.rollout.max_staleness
   # Memory by phase: the learner after each step, the servers beside it.
   # (VmHWM lags VmRSS by a few pages: the kernel syncs them lazily.)

@@ -36,6 +36,7 @@ from sao_jax import process_memory
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import weight_socket
+from sao_jax.rollout import weight_staging
 from sao_jax.rollout import weight_stream
 from sao_jax.rollout import weight_sync
 
@@ -77,7 +78,7 @@ def weights_path(root: str, path: str) -> str | None:
 @dataclasses.dataclass
 class _Arriving:
   """A streamed version being received, and whether it was committed."""
-  staging: weight_stream.Staging | None
+  staging: weight_staging.Staging | None
   done: asyncio.Event
   committed: bool = False
 
@@ -109,6 +110,9 @@ class RolloutServer:
     # The streamed version being received (one at a time: a newer one
     # replaces an unfinished older one) and push outcomes.
     self._arriving: _Arriving | None = None
+    # Per learner part, the id of the state its last committed push left
+    # (the base a delta push must name; none after a checkpoint load).
+    self._state_ids: dict[int, str] = {}
     self._push_counts = {'pushes_committed': 0, 'pushes_failed': 0}
     try:
       self._data = weight_socket.Listener(host, data_port)
@@ -235,6 +239,8 @@ class RolloutServer:
           raise weight_stream.StreamError(f'version {staging.version} was'
                                           ' replaced by a newer push')
         self.engine.weights.swap(state, staging.version)
+        self._state_ids = {part: i for part, i in staging.state_ids.items()
+                           if i is not None}
         del state
         self._finish(arriving, committed=True)
         process_memory.return_free_pages()
@@ -296,8 +302,11 @@ class RolloutServer:
       if current is not None:
         self._fail(current, f'replaced by version {version}')
       self._arriving = _Arriving(
-          weight_stream.Staging(self.engine.abstract_state(), version,
-                                header['parts']), asyncio.Event())
+          weight_staging.Staging(self.engine.abstract_state(), version,
+                                header['parts'],
+                                served=self.engine.weights.get()[0],
+                                served_ids=self._state_ids),
+          asyncio.Event())
     return self._arriving
 
   def _finish(self, arriving: '_Arriving', committed: bool) -> None:
@@ -348,6 +357,7 @@ class RolloutServer:
       await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f'cannot load {path}: {e}')
     self.engine.weights.swap(state, version)
+    self._state_ids = {}  # a checkpoint is no delta's base
     del state
     # The restore's staging buffers, freed by orbax's threads, would stay
     # resident in their arenas until the next push.

@@ -102,8 +102,8 @@ class RolloutSystem:
     self._packed_rows = config_lib.packed_rows(config)
     self._batch_size = batch_size
     self._stop_flag = stop_flag
+    # Made by the files transport only: with stream nothing is written.
     self._weights_dir = os.path.join(workdir, 'weights')
-    os.makedirs(self._weights_dir, exist_ok=True)
     if r.server_addresses or r.admin_secret_file:
       secret = weight_sync.read_secret(r.admin_secret_file or None)
     else:
@@ -148,6 +148,7 @@ class RolloutSystem:
     # and what the last finished one reported.
     self._pending_push = None
     self._last_push: dict[str, float] = {}
+    self._send_while_copying = r.weight_send_while_copying
     self._version_lock = threading.Lock()
     self._queue = queue_lib.RolloutQueue(
         batch_size, r.max_staleness, vocab_size, r.max_sequence_length,
@@ -185,8 +186,9 @@ class RolloutSystem:
     """Starts workers and supervision; servers join once they serve
     `version` (written now: a resume's servers, or remote ones left at
     another run's version, load it before they get traffic)."""
-    self._publisher.set_current(
-        self._transport.prepare(policy_state, version), version)
+    prepared = self._transport.prepare(policy_state, version)
+    self._transport.wait(prepared)  # before the first step may donate
+    self._publisher.set_current(prepared, version)
     self._runner.start()
     if self._push_to_all and version > 0:
       # The servers start from the model source's weights; no process can
@@ -301,9 +303,17 @@ class RolloutSystem:
     start = time.perf_counter()
     self._finish_push()
     prepared = self._transport.prepare(policy_state, version)
-    ready = time.perf_counter()
     self._publisher.set_current(prepared, version)
-    self._pending_push = self._start_push(version)
+    # The next step may donate the parameters only once all of them are on
+    # the host: the learner waits for the copy either way. Sending while
+    # copying shortens the push but, where the two share the cores, slows
+    # the copy (BENCHMARKS.md, "Weight sync").
+    if self._send_while_copying:
+      self._pending_push = self._start_push(version)
+    self._transport.wait(prepared)
+    ready = time.perf_counter()
+    if not self._send_while_copying:
+      self._pending_push = self._start_push(version)
     if not self._transport.overlaps:
       self._finish_push()
     return {'time/weight_prepare_seconds': ready - start, **self._last_push}
@@ -337,6 +347,14 @@ class RolloutSystem:
         'time/weight_push_seconds': result.seconds,
         'rollout/servers_updated': float(len(result.updated)),
         'rollout/servers_failed_update': float(len(result.failed))}
+    sent = [self._transport.sent_bytes[a] for a in result.updated
+            if a in self._transport.sent_bytes]
+    if sent:
+      # Per server: below the version's bytes when deltas went out.
+      self._last_push['rollout/weight_push_megabytes'] = (
+          sum(sent) / len(sent) / 1e6)
+      self._last_push['rollout/weight_version_megabytes'] = (
+          self._transport.version_bytes / 1e6)
 
   def _sync_rollout_version(self) -> None:
     """The queue's rollout version: the least the live servers serve."""

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Iterable
 from concurrent import futures
 
+from sao_jax.rollout import weight_staging
 from sao_jax.rollout import weight_stream
 
 TOKEN_BYTES = 32
@@ -169,7 +170,7 @@ def _fill(conn: socket.socket, view: memoryview) -> None:
     view = view[got:]
 
 
-def receive_frames(conn: socket.socket, staging: weight_stream.Staging,
+def receive_frames(conn: socket.socket, staging: weight_staging.Staging,
                    stream, timeout_s: float) -> None:
   """Reads one part's buckets from `conn` into `staging` until the part's
   `total_bytes` arrived; each read gets `timeout_s`.

@@ -11,6 +11,8 @@ both over the admin gRPC service, authenticated by a shared secret:
   a one-time token for (`weight_socket`). On a multi-host learner every
   process sends the shards it holds, and a server commits the version once
   all parts arrived.
+  With `rollout.weight_delta = 'sparse'` a server that acknowledged the
+  last version gets only the elements that changed since (`weight_delta`).
 - `files`: the learner writes an orbax checkpoint and tells every server
   (`UpdateWeights`) its path; each restores it with its own shardings. For
   servers that share storage with the learner but have no network path to
@@ -44,6 +46,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sao_jax import errors
+from sao_jax.rollout import weight_delta
 from sao_jax.rollout import weight_socket
 from sao_jax.rollout import weight_stream
 
@@ -183,6 +186,8 @@ class FileTransport:
     self._weights_dir = weights_dir
     if weights_dir is not None:
       os.makedirs(weights_dir, exist_ok=True)
+    self.sent_bytes: dict[str, int] = {}  # a server reads what it needs
+    self.version_bytes = 0
 
   def prepare(self, policy_state, version: int) -> str:
     """Writes `version` (a resume writes the version it starts at again)."""
@@ -191,6 +196,9 @@ class FileTransport:
     path = os.path.join(self._weights_dir, f'v{version}')
     save_policy(path, policy_state)
     return os.path.abspath(path)
+
+  def wait(self, prepared: str) -> None:
+    del prepared  # written by `prepare` itself
 
   def retire(self, version: int) -> None:
     """Deletes the checkpoints of versions before `version`."""
@@ -216,16 +224,20 @@ class StreamTransport:
                   parts: int) -> 'StreamTransport':
     """The transport `rollout.weight_transport = 'stream'` names."""
     del weights_dir
+    encoder = weight_delta.ENCODERS[rollout.weight_delta](
+        rtol=rollout.weight_delta_rtol,
+        anchor_every=rollout.weight_delta_anchor_every)
     return cls(dtype=dtype,
                bucket_bytes=int(rollout.weight_bucket_mib * (1 << 20)),
                checksum=rollout.weight_checksum,
                bucket_timeout_s=rollout.weight_bucket_timeout_s, part=part,
-               parts=parts)
+               parts=parts, encoder=encoder)
 
   def __init__(self, *, dtype: str = '', bucket_bytes: int =
                weight_stream.DEFAULT_BUCKET_BYTES,
                bucket_timeout_s: float = 30.0, part: int = 0, parts: int = 1,
-               checksum: str = 'sum64'):
+               checksum: str = 'sum64',
+               encoder: weight_delta.Encoder | None = None):
     """Sets up the transport.
 
     Args:
@@ -234,35 +246,76 @@ class StreamTransport:
       checksum: each bucket's, a name of `checksums.CHECKSUMS`.
       bucket_timeout_s: how long either side waits for one bucket.
       part: this learner process's index; parts: how many send each version.
+      encoder: sends a server that acknowledged the last version only what
+        changed since (`weight_delta`); None: every version whole.
     """
     self._dtype = dtype
     self._bucket_bytes = bucket_bytes
     self._bucket_timeout_s = bucket_timeout_s
     self._checksum = checksum
+    self._encoder = encoder
     self.part, self.parts = part, parts
+    # Payload bytes of the last push to each server, and a whole version's.
+    self.sent_bytes: dict[str, int] = {}
+    self.version_bytes = 0
+    # The state id each server committed from this process's last push to
+    # it: a delta goes only onto a state this process itself left there.
+    self._holds: dict[str, str | None] = {}
 
-  def prepare(self, policy_state, version: int
-              ) -> list[weight_stream.Piece]:
-    del version
-    return weight_stream.host_pieces(policy_state, self._dtype)
+  def prepare(self, policy_state, version: int) -> weight_stream.HostCopy:
+    """Starts copying this process's pieces to the host; a push may start
+    at once and sends each piece as it arrives there."""
+    if self._encoder is not None:
+      self._encoder.begin(version)
+    prepared = weight_stream.HostCopy(policy_state, self._dtype,
+                                      self._encoder)
+    self.version_bytes = prepared.total_bytes
+    return prepared
+
+  def wait(self, prepared: weight_stream.HostCopy) -> None:
+    """Returns once the copy is complete: from then on the learner may
+    donate the arrays it was made from."""
+    prepared.pieces()
 
   def retire(self, version: int) -> None:
     del version  # nothing kept but the current pieces
 
-  def manifest(self, pieces: list[weight_stream.Piece], version: int
-               ) -> bytes:
+  def manifest(self, pieces, version: int, *, state_id: str | None = None,
+               base_id: str | None = None) -> bytes:
     return weight_stream.manifest(
         pieces, version=version, part=self.part, parts=self.parts,
         bucket_bytes=self._bucket_bytes,
-        bucket_timeout_s=self._bucket_timeout_s, checksum=self._checksum)
+        bucket_timeout_s=self._bucket_timeout_s, checksum=self._checksum,
+        state_id=state_id, base_id=base_id)
 
-  def frames(self, pieces: list[weight_stream.Piece], version: int):
+  def frames(self, pieces, version: int):
     """The buckets of one push (`weight_stream.frames`)."""
     del version
     return weight_stream.frames(pieces, self._bucket_bytes, self._checksum)
 
+  async def _what_to_send(self, publisher: 'WeightPublisher', address: str,
+                          prepared: weight_stream.HostCopy, version: int):
+    """(manifest, pieces) for `address`: the sparse delta where it
+    acknowledged the version it is against, else the whole version
+    (`prepared` may also be a list of pieces: sent whole)."""
+    if not isinstance(prepared, weight_stream.HostCopy):
+      return self.manifest(prepared, version), prepared
+    # Both: the publisher forgets what a server acknowledged once it
+    # restarted; the id tells this process's states from another run's.
+    if (prepared.base is not None
+        and publisher.acked.get(address) == prepared.base[1]
+        and self._holds.get(address) == prepared.base[0]):
+      # Known only once every piece was compared (a delta is small: its
+      # transfer is short next to the copy it waits for).
+      deltas = await asyncio.get_running_loop().run_in_executor(
+          None, prepared.deltas)
+      return self.manifest(deltas, version, state_id=prepared.state_id,
+                           base_id=prepared.base[0]), deltas
+    return self.manifest(prepared, version,
+                         state_id=prepared.state_id), prepared
+
   async def send(self, publisher: 'WeightPublisher', address: str,
-                 pieces: list[weight_stream.Piece], version: int) -> None:
+                 pieces: weight_stream.HostCopy, version: int) -> None:
     """Streams `version` to `address`.
 
     The admin call sends the manifest and gets the data connection's token;
@@ -281,7 +334,7 @@ class StreamTransport:
           timeout=publisher.push_timeout_s)
       conn = []  # the data connection, once open (closed to stop a write)
       stream = asyncio.ensure_future(
-          self._stream(call, address, pieces, version, conn))
+          self._stream(publisher, call, address, pieces, version, conn))
       watchdog = asyncio.ensure_future(publisher.watch(address))
       try:
         await asyncio.wait((stream, watchdog),
@@ -299,9 +352,14 @@ class StreamTransport:
         for c in conn:
           _shut(c)
 
-  async def _stream(self, call, address, pieces, version, conn) -> None:
+  async def _stream(self, publisher, call, address, prepared, version,
+                    conn) -> None:
     loop = asyncio.get_running_loop()
-    await call.write(self.manifest(pieces, version))
+    header, pieces = await self._what_to_send(publisher, address, prepared,
+                                              version)
+    self.sent_bytes.pop(address, None)
+    self._holds.pop(address, None)  # until this push commits
+    await call.write(header)
     offer = await call.read()  # a failed call raises its status here
     if offer is grpc.aio.EOF:
       raise ConnectionError(f'{address} ended the push without a data'
@@ -341,6 +399,11 @@ class StreamTransport:
                               f' {step} it')
       if step == 'received':
         await call.write(_encode({'commit': version}))
+    self.sent_bytes[address] = (
+        pieces.total_bytes if isinstance(pieces, weight_stream.HostCopy)
+        else sum(p.data.nbytes for p in pieces))
+    self._holds[address] = (prepared.state_id if isinstance(
+        prepared, weight_stream.HostCopy) else None)
 
 
 def _shut(sock) -> None:

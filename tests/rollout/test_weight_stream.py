@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from sao_jax import checksums
+from sao_jax.rollout import weight_staging
 from sao_jax.rollout import weight_stream
 
 
@@ -57,7 +58,7 @@ def receive(staging, pieces, version=3, part=0, parts=1, bucket_bytes=7,
                                             ('float32', 'crc32')])
 def test_a_version_arrives_exactly_in_the_served_dtype(wire, checksum):
   served = jnp.float32 if wire == 'float32' else jnp.bfloat16
-  staging = weight_stream.Staging(abstract(Tiny(served)), 3, parts=1)
+  staging = weight_staging.Staging(abstract(Tiny(served)), 3, parts=1)
   sent = values()
   # Buckets of 7 bytes: every piece is cut across buckets and buckets
   # straddle pieces.
@@ -74,7 +75,7 @@ def test_a_version_arrives_exactly_in_the_served_dtype(wire, checksum):
 
 def test_a_server_in_another_dtype_converts_what_arrives():
   # The learner sends f32 to a bf16 server (remote servers may differ).
-  staging = weight_stream.Staging(abstract(Tiny(jnp.bfloat16)), 1, parts=1)
+  staging = weight_staging.Staging(abstract(Tiny(jnp.bfloat16)), 1, parts=1)
   sent = values()
   receive(staging, weight_stream.host_pieces(sent), version=1)
   got = nnx.to_pure_dict(staging.state())
@@ -89,7 +90,7 @@ def shards(x, rows):
 
 
 def test_parts_of_two_processes_assemble_into_one_version():
-  staging = weight_stream.Staging(abstract(Tiny()), 2, parts=2)
+  staging = weight_staging.Staging(abstract(Tiny()), 2, parts=2)
   sent = values(1)
   b_piece = weight_stream.host_pieces({'b': sent['b']})
   # Process 0 holds rows 0-1 and 4-5 of w, process 1 rows 2-3 and all of b.
@@ -105,7 +106,7 @@ def test_parts_of_two_processes_assemble_into_one_version():
 
 
 def test_a_version_with_a_part_missing_is_never_served():
-  staging = weight_stream.Staging(abstract(Tiny()), 2, parts=2)
+  staging = weight_staging.Staging(abstract(Tiny()), 2, parts=2)
   receive(staging, weight_stream.host_pieces(values()), version=2, part=0,
           parts=2)
   # Everything arrived, but the other process's (empty) part did not end.
@@ -165,14 +166,14 @@ def test_an_unknown_checksum_is_refused_on_both_sides():
     (lambda i, m: m + b'x' if i == 0 else m, 'header says'),
 ])
 def test_a_corrupted_stream_is_refused(corrupt, match):
-  staging = weight_stream.Staging(abstract(Tiny()), 3, parts=1)
+  staging = weight_staging.Staging(abstract(Tiny()), 3, parts=1)
   with pytest.raises(weight_stream.StreamError, match=match):
     receive(staging, weight_stream.host_pieces(values()), corrupt=corrupt)
   assert not staging.complete
 
 
 def test_a_stream_that_ends_early_is_refused():
-  staging = weight_stream.Staging(abstract(Tiny()), 3, parts=1)
+  staging = weight_staging.Staging(abstract(Tiny()), 3, parts=1)
   with pytest.raises(weight_stream.StreamError, match='ended after'):
     receive(staging, weight_stream.host_pieces(values()),
             corrupt=lambda i, m: None if i > 3 else m)
@@ -180,7 +181,7 @@ def test_a_stream_that_ends_early_is_refused():
 
 
 def test_overlapping_shards_are_refused():
-  staging = weight_stream.Staging(abstract(Tiny()), 2, parts=1)
+  staging = weight_staging.Staging(abstract(Tiny()), 2, parts=1)
   x = values()['w']
   with pytest.raises(weight_stream.StreamError, match='overlapping'):
     receive(staging, shards(x, [(0, 4), (2, 6)]), version=2)
@@ -199,7 +200,7 @@ def test_a_manifest_that_does_not_fit_the_server_is_refused(edit, match):
   pieces = weight_stream.host_pieces(values())
   header = json.loads(weight_stream.manifest(pieces, version=1))
   edit(header)
-  staging = weight_stream.Staging(abstract(Tiny()), 1, parts=1)
+  staging = weight_staging.Staging(abstract(Tiny()), 1, parts=1)
   with pytest.raises(weight_stream.StreamError, match=match):
     staging.begin(weight_stream.parse_manifest(json.dumps(header).encode()))
 
