@@ -223,7 +223,9 @@ async def run_case(args, name, learner_state, served_dtype, server, workdir,
   address = server.address
   stream = weight_sync.StreamTransport(dtype=served_dtype,
                                        bucket_bytes=bucket_bytes,
-                                       checksum=args.checksum)
+                                       checksum=args.checksum,
+                                       reuse_host_buffers=not
+                                       args.fresh_host_buffers)
   files = weight_sync.FileTransport(os.path.join(workdir, f'weights_{name}'))
   publishers = {
       'stream': weight_sync.WeightPublisher([address], SECRET,
@@ -277,15 +279,17 @@ async def run_case(args, name, learner_state, served_dtype, server, workdir,
       if push.failed:
         raise RuntimeError(f'{transport} push failed: {push.failed}')
       files.retire(version)
-      record = await swap_record(address, swaps)
+      # An idle server (`--slots 0`) has no decode step to pause.
+      record = (await swap_record(address, swaps) if prompts else {})
       results[transport].append({
           'seconds': end - start, 'prepare_s': prepared_at - start,
           'send_s': end - prepared_at,
           'learner_extra_gb': rss.extra_gb[0],
           'server_extra_gb': rss.extra_gb[1], **record})
+      pause = (f', pause {record["pause_s"] * 1e3:.1f} ms' if record
+               else '')
       print(f'{name} {transport} v{version}: {end - start:.2f} s'
-            f' (prepare {prepared_at - start:.2f}), pause'
-            f' {record["pause_s"] * 1e3:.1f} ms, server +'
+            f' (prepare {prepared_at - start:.2f}){pause}, server +'
             f'{rss.extra_gb[1]:.2f} GB', flush=True)
   stop.set()
   tokens = await load
@@ -330,12 +334,16 @@ def main():
   parser.add_argument('--quick', action='store_true')
   parser.add_argument('--models', default='135m,1b')
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--slots', type=int, default=4)
+  parser.add_argument('--slots', type=int, default=4,
+                      help='requests kept in flight; 0: an idle server')
   parser.add_argument('--max_tokens', type=int, default=96)
   parser.add_argument('--bucket_mib', type=float, default=16.0)
   parser.add_argument('--checksum', default='sum64',
                       choices=tuple(checksums.CHECKSUMS))
   parser.add_argument('--warmup_s', type=float, default=20.0)
+  parser.add_argument('--fresh_host_buffers', action='store_true',
+                      help='copy every version into fresh pages (the'
+                      ' default config) instead of reused ones')
   parser.add_argument('--out', default='benchmarks/results/weight_sync.json')
   args = parser.parse_args()
   if args.sink:
@@ -354,7 +362,8 @@ def main():
                      'command': ' '.join(sys.argv),
                      'date': time.strftime('%Y-%m-%d')},
          'bucket_mib': args.bucket_mib, 'checksum': args.checksum,
-         'slots': args.slots, 'models': {}}
+         'slots': args.slots,
+         'reuse_host_buffers': not args.fresh_host_buffers, 'models': {}}
   try:
     for name in names:
       source, learner_dtype, served_dtype = cases[name]
@@ -375,7 +384,8 @@ def main():
               f'--config.model.source={source}',
               f'--config.rollout.param_dtype={served_dtype}',
               f'--config.rollout.dtype={served_dtype}',
-              f'--config.rollout.max_concurrent_decodes={args.slots}',
+              '--config.rollout.max_concurrent_decodes='
+              f'{max(args.slots, 1)}',
               '--config.rollout.temperature=1.0',
               '--config.rollout.max_prefill_length=128',
               '--config.rollout.max_target_length=256',

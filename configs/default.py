@@ -369,6 +369,13 @@ def get_config(arg=None):
   # for) takes longer; on the 2-core demo machine 2-3x (BENCHMARKS.md,
   # "Weight sync"). False: copy, then send during the next step.
   c.rollout.weight_send_while_copying = False
+  # True: each version is copied into the host pages of one no longer held,
+  # instead of fresh ones (faulting fresh pages in was 0.17 of 0.25 s of the
+  # learner's wait for 0.54 GB on 2 cores; reused: 0.08 s in all). The cost
+  # is one more host copy of the weights kept between pushes: on a TPU host
+  # that is host RAM beside the HBM the step uses; on CPU (the demo) it
+  # raises the learner's peak, which the training step sets.
+  c.rollout.weight_reuse_host_buffers = False
   # 'sparse': a server that acknowledged the last version gets only the
   # elements whose bits (in its dtype) changed since, as indices and values,
   # piece by piece where that is smaller (docs/design/weight_sync.md,

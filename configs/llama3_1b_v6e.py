@@ -33,6 +33,9 @@ def get_config(arg=None):
   c.rollout.max_new_tokens = 1024
   c.rollout.temperature = 1.0
   c.kernels.implementation = 'auto'
+  # Host RAM is not what bounds a TPU learner: keep a spare host copy of the
+  # weights so each push copies into touched pages (rollout config comment).
+  c.rollout.weight_reuse_host_buffers = True
   for role, lr in (('actor', 1e-6), ('critic', 5e-6)):  # the paper's rates
     c.optim[role].learning_rate = lr
     c.optim[role].warmup_steps = 10

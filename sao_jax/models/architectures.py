@@ -1,8 +1,8 @@
 """Named architectures of public checkpoints, for planning runs without weights.
 
 `python -m sao_jax.tools.aot_compile` compiles a sharded train step for a TPU
-topology from shapes alone; these are the shapes of well-known Llama and Qwen2
-models (as in their Hugging Face `config.json`). Select one with
+topology from shapes alone; these are the shapes of well-known Llama, Qwen2
+and Qwen3 models (as in their Hugging Face `config.json`). Select one with
 `config.model.source = 'arch:<name>'`; real training loads the weights from a
 checkpoint directory instead.
 """
@@ -32,6 +32,14 @@ ARCHITECTURES = {
     'qwen2.5-7b': model_config.ModelConfig(
         'qwen2', 152064, 3584, 18944, 28, 28, 4, 128, rope_theta=1000000.0,
         rms_norm_eps=1e-6, qkv_bias=True, max_position_embeddings=32768),
+    # Qwen3: head_dim 128 whatever the width (0.6B: 16 x 128 > 1024).
+    'qwen3-0.6b': model_config.ModelConfig(
+        'qwen3', 151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+        max_position_embeddings=40960),
+    'qwen3-8b': model_config.ModelConfig(
+        'qwen3', 151936, 4096, 12288, 36, 32, 8, 128, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=40960),
 }
 
 

@@ -49,6 +49,11 @@ def _layer_specs(cfg: model_config.ModelConfig):
       (('mlp', 'up_proj'), 'mlp.up_proj.weight', (f, d), *transpose),
       (('mlp', 'down_proj'), 'mlp.down_proj.weight', (d, f), *transpose),
   ]
+  if cfg.qk_norm:
+    specs += [
+        (('attn', 'q_norm', 'scale'), 'self_attn.q_norm.weight', (dh,), *same),
+        (('attn', 'k_norm', 'scale'), 'self_attn.k_norm.weight', (dh,), *same),
+    ]
   if cfg.qkv_bias:
     specs += [
         (('attn', 'q_bias'), 'self_attn.q_proj.bias', (h * dh,), *bias(h)),

@@ -1,4 +1,4 @@
-"""Architecture hyperparameters of a Llama / Qwen2-family decoder, and HF mapping.
+"""Architecture hyperparameters of a Llama / Qwen2 / Qwen3 decoder, and HF mapping.
 
 `ModelConfig` is what the Flax modules are built from. It is read from (and
 written back to) a Hugging Face `config.json` so that checkpoints round-trip.
@@ -20,6 +20,7 @@ ARCHITECTURES = {
     # model_type -> the HF class name written into config.json on export.
     'llama': 'LlamaForCausalLM',
     'qwen2': 'Qwen2ForCausalLM',
+    'qwen3': 'Qwen3ForCausalLM',
 }
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 LAYER_LOOPS = ('auto', 'scan', 'unroll')
@@ -34,10 +35,11 @@ AUTO_UNROLL_MAX_LAYERS = 32
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only transformer shape (Llama / Qwen2 family).
+  """Decoder-only transformer shape (Llama / Qwen2 / Qwen3 family).
 
   Attributes:
-    model_type: 'llama' or 'qwen2' (Qwen2 adds biases to q/k/v).
+    model_type: 'llama', 'qwen2' (adds biases to q/k/v) or 'qwen3' (an
+      RMSNorm over each query and key head before RoPE, no biases).
     vocab_size: V.
     hidden_size: d, the residual width.
     intermediate_size: F, the SwiGLU hidden width.
@@ -49,6 +51,9 @@ class ModelConfig:
     rms_norm_eps: RMSNorm epsilon.
     tie_embeddings: the LM head reuses the input embedding.
     qkv_bias: q/k/v projections have biases (Qwen2).
+    qk_norm: each query and key head is RMS-normalised (its own learned
+      `[D]` scale, shared by the heads) after the projection and before
+      RoPE (Qwen3).
     max_position_embeddings: longest context the checkpoint was trained for.
     rope_scaling: None, or the Llama-3.1 'llama3' scaling as a tuple of
       (factor, low_freq_factor, high_freq_factor, original_max_position).
@@ -79,6 +84,7 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   tie_embeddings: bool = False
   qkv_bias: bool = False
+  qk_norm: bool = False
   max_position_embeddings: int = 2048
   rope_scaling: tuple[float, float, float, int] | None = None
   dtype: str = 'float32'
@@ -170,7 +176,7 @@ def from_hf_config(hf: Mapping[str, Any], **overrides) -> ModelConfig:
                      ' supported; expected "silu"')
   if hf.get('mlp_bias'):
     raise ValueError('config.json: mlp_bias=true is not supported')
-  if model_type == 'qwen2' and hf.get('use_sliding_window'):
+  if model_type in ('qwen2', 'qwen3') and hf.get('use_sliding_window'):
     raise ValueError('config.json: use_sliding_window=true is not supported')
 
   def need(key):
@@ -211,6 +217,7 @@ def from_hf_config(hf: Mapping[str, Any], **overrides) -> ModelConfig:
       rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
       qkv_bias=bool(hf.get('attention_bias', model_type == 'qwen2')),
+      qk_norm=model_type == 'qwen3',
       max_position_embeddings=int(hf.get('max_position_embeddings', 2048)),
       rope_scaling=rope_scaling,
       bos_token_id=hf.get('bos_token_id'),
@@ -251,8 +258,9 @@ def to_hf_config(config: ModelConfig) -> dict[str, Any]:
   if config.rope_scaling is not None:
     hf['rope_scaling'] = dict(rope)
   if config.model_type == 'llama':
-    hf['attention_bias'] = config.qkv_bias
     hf['mlp_bias'] = False
   else:
     hf['use_sliding_window'] = False
+  if config.model_type != 'qwen2':  # Qwen2's biases are implied
+    hf['attention_bias'] = config.qkv_bias
   return hf

@@ -1,4 +1,4 @@
-"""Llama / Qwen2-family decoder in Flax NNX, shared by learner and rollout engine.
+"""Llama / Qwen2 / Qwen3 decoder in Flax NNX, shared by learner and rollout engine.
 
 Layers are stacked (one parameter array per kind with a leading `layers` axis)
 and run with `jax.lax.scan`: compile time does not grow with depth, which is
@@ -87,7 +87,8 @@ def apply_rope(x_BxTxNxD, cos_BxTxD, sin_BxTxD):
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with optional q/k/v biases (Qwen2)."""
+  """Grouped-query self-attention with optional q/k/v biases (Qwen2) and
+  per-head query/key RMSNorm (Qwen3)."""
 
   def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -103,12 +104,18 @@ class Attention(nnx.Module):
       self.v_bias = _param(rngs, (k, dh), ('kv_heads', 'head_dim'), pd, zeros)
     else:
       self.q_bias = self.k_bias = self.v_bias = None
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, pd)
+      self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, pd)
+    else:
+      self.q_norm = self.k_norm = None
     self.dtype = cfg.compute_dtype
     self.implementation = cfg.attention
 
-  def _project(self, x, kernel, bias):
+  def _project(self, x, kernel, bias, norm=None):
     y = dense(x, kernel[...].astype(self.dtype))
-    return y if bias is None else y + bias[...].astype(self.dtype)
+    y = y if bias is None else y + bias[...].astype(self.dtype)
+    return y if norm is None else norm(y)  # over each head's D
 
   def __call__(self, x_BxTxd, cos_BxTxD, sin_BxTxD, mask,
                cache_k=None, cache_v=None, write_index_B=None):
@@ -120,10 +127,12 @@ class Attention(nnx.Module):
     is `[B, T, S]` bool over the cache, the new keys/values are written into
     it at `write_index_B` and the updated `[B, S, K, D]` cache is returned.
     """
-    q_BxTxHxD = apply_rope(self._project(x_BxTxd, self.q_proj, self.q_bias),
-                           cos_BxTxD, sin_BxTxD)
-    k_BxTxKxD = apply_rope(self._project(x_BxTxd, self.k_proj, self.k_bias),
-                           cos_BxTxD, sin_BxTxD)
+    q_BxTxHxD = apply_rope(
+        self._project(x_BxTxd, self.q_proj, self.q_bias, self.q_norm),
+        cos_BxTxD, sin_BxTxD)
+    k_BxTxKxD = apply_rope(
+        self._project(x_BxTxd, self.k_proj, self.k_bias, self.k_norm),
+        cos_BxTxD, sin_BxTxD)
     v_BxTxKxD = self._project(x_BxTxd, self.v_proj, self.v_bias)
     if cache_k is None:
       keys, values = k_BxTxKxD, v_BxTxKxD

@@ -2,14 +2,18 @@
 
 Both ends of a streamed weight push copy a version through host memory: the
 learner its pieces in the wire dtype, a server each arriving leaf before it
-goes to the device. `aligned_empty` makes those buffers.
+goes to the device. `aligned_empty` makes those buffers; a `Pool` hands
+the large ones out again once the arrays made from them are gone.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import mmap
+import threading
+import weakref
 
 import numpy as np
 
@@ -35,14 +39,74 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
   """
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
-  if nbytes >= _MAPPED_BYTES and mmap.PAGESIZE % alignment == 0:
-    pages = mmap.mmap(-1, nbytes)
-    array = np.frombuffer(pages, dtype).reshape(shape)
-    _populate(array.ctypes.data, nbytes)
-    return array
+  if _mapped(nbytes, alignment):
+    return np.frombuffer(_new_pages(nbytes), dtype).reshape(shape)
   raw = np.empty(nbytes + alignment, np.uint8)
   start = -raw.ctypes.data % alignment
   return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _mapped(nbytes: int, alignment: int = 64) -> bool:
+  return nbytes >= _MAPPED_BYTES and mmap.PAGESIZE % alignment == 0
+
+
+def _new_pages(nbytes: int) -> mmap.mmap:
+  pages = mmap.mmap(-1, nbytes)
+  _populate(ctypes.addressof(ctypes.c_char.from_buffer(pages)), nbytes)
+  return pages
+
+
+class Pool:
+  """`aligned_empty` whose large buffers are used again.
+
+  Faulting in fresh pages is most of the cost of a host copy (0.17 s of
+  0.33 s for the 0.54 GB of SmolLM2-135M in f32 on a 2-core VM; copying
+  into pages already touched: 0.08 s). A buffer returns to the pool when
+  the last array viewing it is collected, so nothing still read (a push in
+  flight, a version kept for servers that catch up, a delta's base) is
+  ever written over; the pool keeps at most `max_bytes` of them, resident.
+  A learner that keeps one version on the host holds two while copying
+  the next either way, so a pool of one version's bytes raises its memory
+  between pushes to that peak but not the peak itself.
+  """
+
+  def __init__(self, max_bytes: int = 0):
+    self.max_bytes = int(max_bytes)
+    self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
+    self._held = 0
+    self._lock = threading.Lock()
+    self.reused = 0  # buffers handed out again (for tests and benchmarks)
+
+  @property
+  def held_bytes(self) -> int:
+    return self._held
+
+  def empty(self, shape, dtype) -> np.ndarray:
+    """As `aligned_empty`, from a returned buffer of the same size if any."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not _mapped(nbytes):
+      return aligned_empty(shape, dtype)
+    with self._lock:
+      pages = self._free[nbytes].pop() if self._free[nbytes] else None
+      if pages is not None:
+        self._held -= nbytes
+        self.reused += 1
+    if pages is None:
+      pages = _new_pages(nbytes)
+    owner = np.frombuffer(pages, dtype)
+    # NumPy points every view (of a view...) at this array, the last one
+    # whose base is not an array: once it is collected, nothing reads the
+    # pages.
+    weakref.finalize(owner, self._give_back, pages, nbytes)
+    return owner.reshape(shape)
+
+  def _give_back(self, pages: mmap.mmap, nbytes: int) -> None:
+    with self._lock:
+      if self._held + nbytes <= self.max_bytes:
+        self._free[nbytes].append(pages)
+        self._held += nbytes
+    # Otherwise the mapping goes with its last reference.
 
 
 try:

@@ -152,11 +152,15 @@ class HostCopy:
   donate the arrays they came from.
   """
 
-  def __init__(self, state, dtype: str | None = None, encoder=None):
+  def __init__(self, state, dtype: str | None = None, encoder=None,
+               pool: host_buffers.Pool | None = None):
     """`encoder`: a `weight_delta.Encoder` that `begin` readied for this
     version: the pieces are then what the servers will hold, and `deltas()`
-    their sparse forms against the last version."""
+    their sparse forms against the last version. `pool`: where the host
+    buffers come from (those of versions no longer held), else fresh."""
     state = pure_state(state)
+    self._empty = (host_buffers.aligned_empty if pool is None
+                   else pool.empty)
     self._encoder = encoder
     self._deltas: list[Piece] = []
     # The base a delta of this version applies to, and this version's id.
@@ -185,7 +189,7 @@ class HostCopy:
   def _copy(self) -> None:
     try:
       for path, x in self._leaves:
-        for piece in _host_leaf(path, x, self._wire):
+        for piece in _host_leaf(path, x, self._wire, self._empty):
           described = self.layout[len(self._done)]
           if piece.describe() != described:
             raise StreamError(f'piece {path} came out as {piece.describe()},'
@@ -239,8 +243,10 @@ class HostCopy:
     return list(self._deltas)
 
 
-def _host_leaf(path: str, x, wire: np.dtype | None) -> list[Piece]:
-  """One leaf's pieces on the host, in the wire dtype."""
+def _host_leaf(path: str, x, wire: np.dtype | None,
+               empty=host_buffers.aligned_empty) -> list[Piece]:
+  """One leaf's pieces on the host, in the wire dtype (copies into buffers
+  from `empty`)."""
   shape = tuple(x.shape)
   converted = False
   if wire is not None and isinstance(x, jax.Array) and x.dtype != wire:
@@ -255,8 +261,7 @@ def _host_leaf(path: str, x, wire: np.dtype | None) -> list[Piece]:
     if not converted:
       # Into pages faulted in up front (`host_buffers.aligned_empty`): a
       # fresh page faulted on first write made this copy ~3x slower.
-      copy = host_buffers.aligned_empty(
-          host.shape, host.dtype if wire is None else wire)
+      copy = empty(host.shape, host.dtype if wire is None else wire)
       np.copyto(copy, host, casting='unsafe')
       host = copy
     pieces.append(Piece(path, shape, index, np.ascontiguousarray(host)))

@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sao_jax import errors
+from sao_jax.rollout import host_buffers
 from sao_jax.rollout import weight_delta
 from sao_jax.rollout import weight_socket
 from sao_jax.rollout import weight_stream
@@ -231,13 +232,15 @@ class StreamTransport:
                bucket_bytes=int(rollout.weight_bucket_mib * (1 << 20)),
                checksum=rollout.weight_checksum,
                bucket_timeout_s=rollout.weight_bucket_timeout_s, part=part,
-               parts=parts, encoder=encoder)
+               parts=parts, encoder=encoder,
+               reuse_host_buffers=rollout.weight_reuse_host_buffers)
 
   def __init__(self, *, dtype: str = '', bucket_bytes: int =
                weight_stream.DEFAULT_BUCKET_BYTES,
                bucket_timeout_s: float = 30.0, part: int = 0, parts: int = 1,
                checksum: str = 'sum64',
-               encoder: weight_delta.Encoder | None = None):
+               encoder: weight_delta.Encoder | None = None,
+               reuse_host_buffers: bool = False):
     """Sets up the transport.
 
     Args:
@@ -248,6 +251,9 @@ class StreamTransport:
       part: this learner process's index; parts: how many send each version.
       encoder: sends a server that acknowledged the last version only what
         changed since (`weight_delta`); None: every version whole.
+      reuse_host_buffers: copy each version into the host buffers of one
+        no longer held (`host_buffers.Pool`; one more copy kept between
+        pushes); False: fresh pages each time.
     """
     self._dtype = dtype
     self._bucket_bytes = bucket_bytes
@@ -261,6 +267,8 @@ class StreamTransport:
     # The state id each server committed from this process's last push to
     # it: a delta goes only onto a state this process itself left there.
     self._holds: dict[str, str | None] = {}
+    # Host buffers of versions no longer held, for the next copy (or None).
+    self.pool = host_buffers.Pool() if reuse_host_buffers else None
 
   def prepare(self, policy_state, version: int) -> weight_stream.HostCopy:
     """Starts copying this process's pieces to the host; a push may start
@@ -268,8 +276,10 @@ class StreamTransport:
     if self._encoder is not None:
       self._encoder.begin(version)
     prepared = weight_stream.HostCopy(policy_state, self._dtype,
-                                      self._encoder)
+                                      self._encoder, self.pool)
     self.version_bytes = prepared.total_bytes
+    if self.pool is not None:  # one version's buffers wait for the next
+      self.pool.max_bytes = max(self.pool.max_bytes, prepared.total_bytes)
     return prepared
 
   def wait(self, prepared: weight_stream.HostCopy) -> None:

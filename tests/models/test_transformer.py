@@ -32,6 +32,10 @@ KINDS = {
                         high_freq_factor=4.0,
                         original_max_position_embeddings=64),
                          max_position_embeddings=512)),
+    # head_dim 32 with 4 heads of a 64-wide residual, as Qwen3-0.6B's
+    # 16 x 128 heads of a 1024-wide one.
+    'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(tie_word_embeddings=False, head_dim=32)),
 }
 
 
@@ -58,10 +62,12 @@ def checkpoint(request, tmp_path_factory):
       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
       rope_theta=5000.0, bos_token_id=1, eos_token_id=2, **extra)
   reference = model_cls(hf_config).eval()
-  with torch.no_grad():  # Qwen2 biases start at 0: make them matter.
-    for name, p in reference.named_parameters():
+  with torch.no_grad():  # Qwen2's biases start at 0, Qwen3's q/k norms at 1:
+    for name, p in reference.named_parameters():  # make them matter.
       if name.endswith('bias'):
         p.normal_(0, 0.1)
+      if name.endswith(('q_norm.weight', 'k_norm.weight')):
+        p.normal_(1, 0.3)
   directory = str(tmp_path_factory.mktemp(request.param))
   reference.save_pretrained(directory)
   save_tiny_tokenizer(directory)
