@@ -88,6 +88,9 @@ DEFAULT_RULES = (
     ('vocab', 'tensor'),
     ('norm', None),
     ('cache_length', None),
+    # Routed experts (Qwen3-MoE): replicated for now; an expert-parallel
+    # mesh axis is issue 31's part 2.
+    ('expert', None),
 )
 
 

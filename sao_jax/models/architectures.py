@@ -40,6 +40,12 @@ ARCHITECTURES = {
     'qwen3-8b': model_config.ModelConfig(
         'qwen3', 151936, 4096, 12288, 36, 32, 8, 128, rope_theta=1000000.0,
         rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=40960),
+    # 128 routed experts of width 768, 8 per token, in every layer.
+    'qwen3-30b-a3b': model_config.ModelConfig(
+        'qwen3_moe', 151936, 2048, 6144, 48, 32, 4, 128, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, qk_norm=True, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        max_position_embeddings=40960),
 }
 
 

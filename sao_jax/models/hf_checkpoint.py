@@ -45,10 +45,16 @@ def _layer_specs(cfg: model_config.ModelConfig):
       (('attn', 'o_proj'), 'self_attn.o_proj.weight', (d, h * dh),
        lambda w: w.T.reshape(h, dh, d), lambda w: w.reshape(h * dh, d).T),
       (('mlp_norm', 'scale'), 'post_attention_layernorm.weight', (d,), *same),
-      (('mlp', 'gate_proj'), 'mlp.gate_proj.weight', (f, d), *transpose),
-      (('mlp', 'up_proj'), 'mlp.up_proj.weight', (f, d), *transpose),
-      (('mlp', 'down_proj'), 'mlp.down_proj.weight', (d, f), *transpose),
   ]
+  if cfg.num_experts:
+    specs.append((('mlp', 'router'), 'mlp.gate.weight', (cfg.num_experts, d),
+                  *transpose))
+  else:
+    specs += [
+        (('mlp', 'gate_proj'), 'mlp.gate_proj.weight', (f, d), *transpose),
+        (('mlp', 'up_proj'), 'mlp.up_proj.weight', (f, d), *transpose),
+        (('mlp', 'down_proj'), 'mlp.down_proj.weight', (d, f), *transpose),
+    ]
   if cfg.qk_norm:
     specs += [
         (('attn', 'q_norm', 'scale'), 'self_attn.q_norm.weight', (dh,), *same),
@@ -61,6 +67,18 @@ def _layer_specs(cfg: model_config.ModelConfig):
         (('attn', 'v_bias'), 'self_attn.v_proj.bias', (k * dh,), *bias(k)),
     ]
   return specs
+
+
+def _expert_specs(cfg: model_config.ModelConfig):
+  """(our path, HF name suffix with `{e}`, HF shape) of each routed expert's
+  projections; HF stores one `[out, in]` matrix per expert, we one
+  `[E, in, out]` array per projection."""
+  if not cfg.num_experts:
+    return []
+  d, f = cfg.hidden_size, cfg.moe_intermediate_size
+  return [(('mlp', 'gate_proj'), 'mlp.experts.{e}.gate_proj.weight', (f, d)),
+          (('mlp', 'up_proj'), 'mlp.experts.{e}.up_proj.weight', (f, d)),
+          (('mlp', 'down_proj'), 'mlp.experts.{e}.down_proj.weight', (d, f))]
 
 
 def _global_specs(cfg: model_config.ModelConfig):
@@ -105,6 +123,11 @@ def to_params(tensors: Mapping[str, np.ndarray],
     layers = [to_ours(_checked(tensors, f'model.layers.{i}.{suffix}', shape, cfg))
               for i in range(cfg.num_layers)]
     params[('decoder', 'blocks') + sub] = np.stack(layers)
+  for sub, suffix, shape in _expert_specs(cfg):
+    params[('decoder', 'blocks') + sub] = np.stack([
+        np.stack([_checked(tensors, f'model.layers.{i}.' + suffix.format(e=e),
+                           shape, cfg).T for e in range(cfg.num_experts)])
+        for i in range(cfg.num_layers)])
   return params
 
 
@@ -119,6 +142,12 @@ def from_params(params: Mapping[Path, np.ndarray],
     for i in range(cfg.num_layers):
       tensors[f'model.layers.{i}.{suffix}'] = np.ascontiguousarray(
           to_hf(stacked[i]))
+  for sub, suffix, _ in _expert_specs(cfg):
+    stacked = np.asarray(params[('decoder', 'blocks') + sub])
+    for i in range(cfg.num_layers):
+      for e in range(cfg.num_experts):
+        tensors[f'model.layers.{i}.' + suffix.format(e=e)] = (
+            np.ascontiguousarray(stacked[i, e].T))
   return tensors
 
 

@@ -21,6 +21,7 @@ ARCHITECTURES = {
     'llama': 'LlamaForCausalLM',
     'qwen2': 'Qwen2ForCausalLM',
     'qwen3': 'Qwen3ForCausalLM',
+    'qwen3_moe': 'Qwen3MoeForCausalLM',
 }
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 LAYER_LOOPS = ('auto', 'scan', 'unroll')
@@ -54,6 +55,12 @@ class ModelConfig:
     qk_norm: each query and key head is RMS-normalised (its own learned
       `[D]` scale, shared by the heads) after the projection and before
       RoPE (Qwen3).
+    num_experts: E routed experts per layer replacing the dense MLP (0: a
+      dense SwiGLU MLP; Qwen3-MoE: every layer routed).
+    num_experts_per_tok: k experts each token goes to.
+    moe_intermediate_size: each expert's SwiGLU hidden width.
+    norm_topk_prob: the k chosen router probabilities are renormalised to
+      sum to 1 (else they weigh the experts as the softmax gave them).
     max_position_embeddings: longest context the checkpoint was trained for.
     rope_scaling: None, or the Llama-3.1 'llama3' scaling as a tuple of
       (factor, low_freq_factor, high_freq_factor, original_max_position).
@@ -85,6 +92,10 @@ class ModelConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
   max_position_embeddings: int = 2048
   rope_scaling: tuple[float, float, float, int] | None = None
   dtype: str = 'float32'
@@ -109,6 +120,13 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads={self.num_heads} is not a multiple of'
                        f' num_kv_heads={self.num_kv_heads}')
+    if self.num_experts and not (
+        0 < self.num_experts_per_tok <= self.num_experts
+        and self.moe_intermediate_size > 0):
+      raise ValueError(
+          f'num_experts={self.num_experts} needs 0 < num_experts_per_tok'
+          f' ({self.num_experts_per_tok}) <= num_experts and'
+          f' moe_intermediate_size > 0 ({self.moe_intermediate_size})')
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
     if self.logits_dtype and self.logits_dtype not in DTYPES:
@@ -176,13 +194,28 @@ def from_hf_config(hf: Mapping[str, Any], **overrides) -> ModelConfig:
                      ' supported; expected "silu"')
   if hf.get('mlp_bias'):
     raise ValueError('config.json: mlp_bias=true is not supported')
-  if model_type in ('qwen2', 'qwen3') and hf.get('use_sliding_window'):
+  if model_type != 'llama' and hf.get('use_sliding_window'):
     raise ValueError('config.json: use_sliding_window=true is not supported')
 
   def need(key):
     if key not in hf:
       raise ValueError(f'config.json: required field {key!r} is missing')
     return hf[key]
+
+  moe = {}
+  if model_type == 'qwen3_moe':
+    # Every layer routed: the stacked layers share one shape.
+    if hf.get('mlp_only_layers') or hf.get('decoder_sparse_step', 1) != 1:
+      raise ValueError('config.json: dense layers among routed ones'
+                       ' (mlp_only_layers, decoder_sparse_step != 1) are not'
+                       ' supported')
+    experts = hf.get('num_experts') or hf.get('num_local_experts')
+    if not experts:
+      raise ValueError("config.json: required field 'num_experts' is missing")
+    moe = dict(num_experts=int(experts),
+               num_experts_per_tok=int(need('num_experts_per_tok')),
+               moe_intermediate_size=int(need('moe_intermediate_size')),
+               norm_topk_prob=bool(hf.get('norm_topk_prob', False)))
 
   rope = dict(hf.get('rope_parameters') or {})
   legacy_scaling = hf.get('rope_scaling') or {}
@@ -217,7 +250,8 @@ def from_hf_config(hf: Mapping[str, Any], **overrides) -> ModelConfig:
       rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
       qkv_bias=bool(hf.get('attention_bias', model_type == 'qwen2')),
-      qk_norm=model_type == 'qwen3',
+      qk_norm=model_type in ('qwen3', 'qwen3_moe'),
+      **moe,
       max_position_embeddings=int(hf.get('max_position_embeddings', 2048)),
       rope_scaling=rope_scaling,
       bos_token_id=hf.get('bos_token_id'),
@@ -263,4 +297,10 @@ def to_hf_config(config: ModelConfig) -> dict[str, Any]:
     hf['use_sliding_window'] = False
   if config.model_type != 'qwen2':  # Qwen2's biases are implied
     hf['attention_bias'] = config.qkv_bias
+  if config.num_experts:
+    hf.update(num_experts=config.num_experts,
+              num_experts_per_tok=config.num_experts_per_tok,
+              moe_intermediate_size=config.moe_intermediate_size,
+              norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
+              mlp_only_layers=[])
   return hf

@@ -165,14 +165,69 @@ class MLP(nnx.Module):
     return dense(jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
 
 
+class RoutedMLP(nnx.Module):
+  """Top-k routed SwiGLU experts (Qwen3-MoE), as grouped matmuls.
+
+  The router's softmax over E experts picks each token's k experts; their
+  probabilities (renormalised over the k if `norm_topk_prob`) weigh the
+  experts' outputs. The token-expert pairs are sorted by expert so that
+  each projection is one `jax.lax.ragged_dot` over all experts' groups
+  instead of a loop over experts.
+  """
+
+  def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    pd = cfg.params_dtype
+    self.router = _param(rngs, (d, e), ('embed', 'expert'), pd)
+    self.gate_proj = _param(rngs, (e, d, f), ('expert', 'embed', 'mlp'), pd)
+    self.up_proj = _param(rngs, (e, d, f), ('expert', 'embed', 'mlp'), pd)
+    self.down_proj = _param(rngs, (e, f, d), ('expert', 'mlp', 'embed'), pd)
+    self.top_k = cfg.num_experts_per_tok
+    self.normalise = cfg.norm_topk_prob
+    self.dtype = cfg.compute_dtype
+
+  def route(self, x_Nxd):
+    """(weights `[N, k]` in the compute dtype, expert ids `[N, k]`)."""
+    logits_NxE = dense(x_Nxd, self.router[...].astype(self.dtype))
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(_F32), axis=-1)
+    weights_Nxk, experts_Nxk = jax.lax.top_k(probs_NxE, self.top_k)
+    if self.normalise:
+      weights_Nxk = weights_Nxk / jnp.sum(weights_Nxk, -1, keepdims=True)
+    return weights_Nxk.astype(self.dtype), experts_Nxk
+
+  def __call__(self, x_BxTxd):
+    lead, d = x_BxTxd.shape[:-1], x_BxTxd.shape[-1]
+    x_Nxd = x_BxTxd.reshape(-1, d)
+    weights_Nxk, experts_Nxk = self.route(x_Nxd)
+    num_experts = self.router.shape[-1]
+    # Pairs (token, slot) sorted by expert: each expert's rows contiguous.
+    order_P = jnp.argsort(experts_Nxk.reshape(-1), stable=True)
+    token_P = order_P // self.top_k
+    group_sizes_E = jnp.bincount(experts_Nxk.reshape(-1), length=num_experts)
+    xs_Pxd = x_Nxd[token_P]
+
+    def grouped(lhs, kernel):
+      return jax.lax.ragged_dot(lhs, kernel[...].astype(self.dtype),
+                                group_sizes_E.astype(jnp.int32))
+
+    hidden_PxF = (jax.nn.silu(grouped(xs_Pxd, self.gate_proj))
+                  * grouped(xs_Pxd, self.up_proj))
+    out_Pxd = grouped(hidden_PxF, self.down_proj)
+    out_Pxd = out_Pxd * weights_Nxk.reshape(-1)[order_P][:, None]
+    y_Nxd = jnp.zeros_like(x_Nxd).at[token_P].add(out_Pxd)
+    return y_Nxd.reshape(*lead, d)
+
+
 class Block(nnx.Module):
-  """Pre-norm residual block: attention, then SwiGLU MLP."""
+  """Pre-norm residual block: attention, then a SwiGLU MLP (dense or
+  routed experts)."""
 
   def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = (RoutedMLP(cfg, rngs=rngs) if cfg.num_experts
+                else MLP(cfg, rngs=rngs))
 
   def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None,
                write_index=None):

@@ -10,7 +10,8 @@ from sao_jax.models import pretrained
 
 # (total, without the input embedding), as the model cards state them:
 # exact where the card (or its safetensors index) gives the count, else to
-# the digits given (Qwen3's cards: 0.6B / 0.44B non-embedding, 8.2B / 6.95B).
+# the digits given (Qwen3's cards: 0.6B / 0.44B non-embedding, 8.2B / 6.95B,
+# 30.5B / 29.9B).
 PUBLISHED = {
     'smollm2-135m': ((134_515_008, 0),),
     'llama3.2-1b': ((1_235_814_400, 0),),
@@ -19,6 +20,7 @@ PUBLISHED = {
     'qwen2.5-7b': ((7_615_616_512, 0),),
     'qwen3-0.6b': ((0.6e9, 0.05e9), (0.44e9, 0.005e9)),
     'qwen3-8b': ((8.2e9, 0.05e9), (6.95e9, 0.005e9)),
+    'qwen3-30b-a3b': ((30.5e9, 0.05e9), (29.9e9, 0.05e9)),
 }
 
 
