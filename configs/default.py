@@ -283,16 +283,18 @@ def get_config(arg=None):
   c.kernels = ml_collections.ConfigDict()
   c.kernels.implementation = 'auto'  # auto | xla | pallas
 
-  # Device mesh: data x fsdp x sequence x tensor; -1 takes the devices the
-  # others leave.
+  # Device mesh: data x fsdp x expert x sequence x tensor; -1 takes the
+  # devices the others leave.
   #   data: data parallel (batch rows; parameters replicated)
   #   fsdp: fully sharded data parallel (batch rows and parameters)
+  #   expert: expert parallel (a routed layer's experts split; batch rows
+  #     too, data parallel for the rest; must divide the expert count)
   #   sequence: context parallel (each row's tokens split; for trajectories
   #     one chip cannot hold: activations and saved residuals split, while
   #     attention gathers the keys and values of the whole row)
   #   tensor: tensor parallel (within each layer)
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, sequence=1,
-                                          tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1,
+                                          sequence=1, tensor=1))
 
   # Rollouts: JetStream servers, sampling, asynchrony (SAO.md §2).
   c.rollout = ml_collections.ConfigDict()

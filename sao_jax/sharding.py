@@ -1,15 +1,22 @@
 """Device-mesh layout from config.
 
-The learner's mesh has four named axes: `data` (pure data parallelism),
+The learner's mesh has five named axes: `data` (pure data parallelism),
 `fsdp` (data parallelism with parameters and optimizer state sharded over it),
-`sequence` (context parallelism: the tokens of a row split over devices, for
-trajectories one chip cannot hold) and `tensor` (model parallelism inside a
-layer). Batch rows are split over `data x fsdp`, their tokens over
-`sequence`. `sequence` may be left out of a mesh config (size 1).
+`expert` (expert parallelism: a routed layer's experts split over devices,
+which are data parallel for everything else), `sequence` (context
+parallelism: the tokens of a row split over devices, for trajectories one chip
+cannot hold) and `tensor` (model parallelism inside a layer). Batch rows are
+split over `data x fsdp x expert`, their tokens over `sequence`. `expert` and
+`sequence` may be left out of a mesh config (size 1).
+
+`mesh_context` makes the mesh known to the layers that run per shard under
+`jax.shard_map` (the splash attention kernel, routed experts) while a step is
+traced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 
@@ -18,13 +25,34 @@ import numpy as np
 from flax import nnx
 
 # `tensor` last: the innermost axis gets the closest devices.
-MESH_AXES = ('data', 'fsdp', 'sequence', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'expert', 'sequence', 'tensor')
 # Axes over which the global batch is split.
-BATCH_AXES = ('data', 'fsdp')
+BATCH_AXES = ('data', 'fsdp', 'expert')
+# The axis over which a routed layer's experts are split.
+EXPERT_AXIS = 'expert'
 # The axis over which a row's tokens are split.
 SEQUENCE_AXIS = 'sequence'
 # Axes a config may leave out, and the size they then have.
-OPTIONAL_AXES = {'sequence': 1}
+OPTIONAL_AXES = {'expert': 1, 'sequence': 1}
+
+_meshes: list = []  # the mesh of the step being traced, innermost last
+
+
+@contextlib.contextmanager
+def mesh_context(mesh):
+  """Layers that run per shard (`current_mesh`) see `mesh` while a step is
+  traced inside; without it they run as one call, and XLA partitions what
+  it can."""
+  _meshes.append(mesh)
+  try:
+    yield
+  finally:
+    _meshes.pop()
+
+
+def current_mesh():
+  """The mesh of the innermost `mesh_context`, or None."""
+  return _meshes[-1] if _meshes else None
 
 
 def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -68,7 +96,9 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, in
 
 
 def batch_parallelism(sizes: Mapping[str, int]) -> int:
-  """Number of batch shards: the product of the `BATCH_AXES` sizes."""
+  """Number of batch shards: the product of the `BATCH_AXES` sizes (an
+  axis of `OPTIONAL_AXES` left out has its default size)."""
+  sizes = {**OPTIONAL_AXES, **sizes}
   return math.prod(sizes[a] for a in BATCH_AXES)
 
 
@@ -88,9 +118,7 @@ DEFAULT_RULES = (
     ('vocab', 'tensor'),
     ('norm', None),
     ('cache_length', None),
-    # Routed experts (Qwen3-MoE): replicated for now; an expert-parallel
-    # mesh axis is issue 31's part 2.
-    ('expert', None),
+    ('expert', 'expert'),  # a routed layer's experts
 )
 
 

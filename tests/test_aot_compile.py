@@ -39,8 +39,8 @@ def test_tiny_sao_step_compiles_for_v5e_with_fsdp():
   from sao_jax.tools import aot_compile  # pylint: disable=g-import-not-at-top
   config = tiny_config(data=1, fsdp=4, tensor=1)
   report = aot_compile.compile_train_step(config, 'v5e:2x2')
-  assert report.devices == 4 and report.mesh == {'data': 1, 'fsdp': 4,
-                                                'sequence': 1, 'tensor': 1}
+  assert report.devices == 4 and report.mesh == {
+      'data': 1, 'fsdp': 4, 'expert': 1, 'sequence': 1, 'tensor': 1}
   policy = pretrained.abstract_model('tiny-random')
   sizes = [int(np.prod(x.shape))
            for x in jax.tree.leaves(nnx.state(policy, nnx.Param))]

@@ -214,7 +214,7 @@ def test_mesh_must_fit_the_devices():
     config_lib.validate(config, num_devices=8)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, -1, 2
   assert config_lib.validate(config, num_devices=8) == dict(
-      data=2, fsdp=2, sequence=1, tensor=2)
+      data=2, fsdp=2, expert=1, sequence=1, tensor=2)
 
 
 def test_grpo_needs_groups_and_algorithm_must_match_its_parts():

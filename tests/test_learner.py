@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import sharding
 from sao_jax import types
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import tiny
@@ -161,7 +162,7 @@ def test_a_sequence_split_step_equals_one_device(implementation, one_device):
   many = make_learner(make_config(lr=1e-4, **{
       'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.sequence': 4, 'mesh.tensor': 1,
       'kernels.implementation': implementation}), jax.devices()[:8])
-  assert tuple(many.batch_sharding.spec) == (('data', 'fsdp'), 'sequence')
+  assert tuple(many.batch_sharding.spec) == (sharding.BATCH_AXES, 'sequence')
   m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
   for a, b in zip(m_one, m_many):
     for key in ('policy/loss', 'critic/loss', 'policy/grad_norm',

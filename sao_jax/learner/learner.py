@@ -39,7 +39,6 @@ from flax import nnx
 from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax import types
-from sao_jax.kernels.attention import api as attention_api
 from sao_jax.learner import optimizers
 from sao_jax.models import critic as critic_lib
 from sao_jax.models import sampling
@@ -143,9 +142,9 @@ class Learner:
 
   def _on_mesh(self, step):
     """`step`, traced with the mesh known to the model's attention kernel
-    (a Mosaic kernel runs per shard: `attention_api.mesh_context`)."""
+    (a Mosaic kernel and routed experts run per shard: `sharding.mesh_context`)."""
     def traced(*args):
-      with attention_api.mesh_context(self.mesh):
+      with sharding.mesh_context(self.mesh):
         return step(*args)
     return traced
 

@@ -28,6 +28,7 @@ from sao_jax import platforms
 from sao_jax.kernels.attention import api as attention_api
 from sao_jax.kernels.attention import reference as attention_reference
 from sao_jax.models import model_config
+from sao_jax.models import moe
 
 _F32 = jnp.float32
 
@@ -166,14 +167,7 @@ class MLP(nnx.Module):
 
 
 class RoutedMLP(nnx.Module):
-  """Top-k routed SwiGLU experts (Qwen3-MoE), as grouped matmuls.
-
-  The router's softmax over E experts picks each token's k experts; their
-  probabilities (renormalised over the k if `norm_topk_prob`) weigh the
-  experts' outputs. The token-expert pairs are sorted by expert so that
-  each projection is one `jax.lax.ragged_dot` over all experts' groups
-  instead of a loop over experts.
-  """
+  """Top-k routed SwiGLU experts (Qwen3-MoE), `moe.routed_swiglu`."""
 
   def __init__(self, cfg: model_config.ModelConfig, *, rngs: nnx.Rngs):
     d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
@@ -186,36 +180,11 @@ class RoutedMLP(nnx.Module):
     self.normalise = cfg.norm_topk_prob
     self.dtype = cfg.compute_dtype
 
-  def route(self, x_Nxd):
-    """(weights `[N, k]` in the compute dtype, expert ids `[N, k]`)."""
-    logits_NxE = dense(x_Nxd, self.router[...].astype(self.dtype))
-    probs_NxE = jax.nn.softmax(logits_NxE.astype(_F32), axis=-1)
-    weights_Nxk, experts_Nxk = jax.lax.top_k(probs_NxE, self.top_k)
-    if self.normalise:
-      weights_Nxk = weights_Nxk / jnp.sum(weights_Nxk, -1, keepdims=True)
-    return weights_Nxk.astype(self.dtype), experts_Nxk
-
   def __call__(self, x_BxTxd):
-    lead, d = x_BxTxd.shape[:-1], x_BxTxd.shape[-1]
-    x_Nxd = x_BxTxd.reshape(-1, d)
-    weights_Nxk, experts_Nxk = self.route(x_Nxd)
-    num_experts = self.router.shape[-1]
-    # Pairs (token, slot) sorted by expert: each expert's rows contiguous.
-    order_P = jnp.argsort(experts_Nxk.reshape(-1), stable=True)
-    token_P = order_P // self.top_k
-    group_sizes_E = jnp.bincount(experts_Nxk.reshape(-1), length=num_experts)
-    xs_Pxd = x_Nxd[token_P]
-
-    def grouped(lhs, kernel):
-      return jax.lax.ragged_dot(lhs, kernel[...].astype(self.dtype),
-                                group_sizes_E.astype(jnp.int32))
-
-    hidden_PxF = (jax.nn.silu(grouped(xs_Pxd, self.gate_proj))
-                  * grouped(xs_Pxd, self.up_proj))
-    out_Pxd = grouped(hidden_PxF, self.down_proj)
-    out_Pxd = out_Pxd * weights_Nxk.reshape(-1)[order_P][:, None]
-    y_Nxd = jnp.zeros_like(x_Nxd).at[token_P].add(out_Pxd)
-    return y_Nxd.reshape(*lead, d)
+    return moe.routed_swiglu(
+        x_BxTxd, self.router[...], self.gate_proj[...], self.up_proj[...],
+        self.down_proj[...], top_k=self.top_k, normalise=self.normalise,
+        dtype=self.dtype)
 
 
 class Block(nnx.Module):

@@ -56,7 +56,6 @@ from flax import nnx
 
 from sao_jax import config_lib
 from sao_jax import sharding
-from sao_jax.kernels.attention import api as attention_api
 from sao_jax.models import decoding
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
@@ -301,7 +300,7 @@ class Engine(engine_api.Engine):
     self.prefix_cache.count_prefill(len(real), 0)
     # On several chips a Mosaic attention kernel runs per shard (heads over
     # `tensor`); the context is read when a call traces.
-    with attention_api.mesh_context(self._mesh):
+    with sharding.mesh_context(self._mesh):
       return _prefill(self._graphdef, state, padded, length,
                       np.int32(version), np.bool_(too_long))
 
@@ -347,7 +346,7 @@ class Engine(engine_api.Engine):
       # it. Only these steps are waited for; the others stay asynchronous.
       self._last_step[0].block_until_ready()
       previous_done = time.perf_counter()
-    with attention_api.mesh_context(self._mesh):  # the refresh's prefill
+    with sharding.mesh_context(self._mesh):  # the refresh's prefill
       decode_state, data, inactive_N, emitted = _generate(
           self._graphdef, self.config.sampling, self._stop_ids,
           self.config.max_target_length, self.config.max_new_tokens, state,

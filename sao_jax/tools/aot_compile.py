@@ -44,7 +44,6 @@ from sao_jax import platforms
 from sao_jax import sharding
 from flax import nnx
 
-from sao_jax.kernels.attention import api as attention_api
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import pretrained
 from sao_jax.rollout import engine as engine_lib
@@ -189,7 +188,7 @@ def compile_engine_prefill(config, topology: str) -> PrefillReport:
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
   length = config.rollout.max_prefill_length
   tokens = jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=replicated)
-  with platforms.compile_target('tpu'), attention_api.mesh_context(mesh):
+  with platforms.compile_target('tpu'), sharding.mesh_context(mesh):
     start = time.perf_counter()
     compiled = engine_lib._prefill.lower(  # pylint: disable=protected-access
         graphdef, state, tokens, scalar(jnp.int32), scalar(jnp.int32),

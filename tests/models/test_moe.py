@@ -1,5 +1,6 @@
 """Qwen3-MoE: routed experts against transformers and a per-token loop."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,9 @@ import torch
 import transformers
 from flax import nnx
 
+from sao_jax import sharding
 from sao_jax.models import model_config
+from sao_jax.models import moe
 from sao_jax.models import pretrained
 from sao_jax.models import transformer
 
@@ -115,7 +118,8 @@ def test_grouped_matmuls_equal_a_loop_over_tokens(normalise):
   graphdef, params = nnx.split(layer, nnx.Param)
   grads = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(x) ** 2))(params)
   assert float(jnp.abs(grads['router'][...]).sum()) > 0
-  _, experts = layer.route(x.reshape(-1, 16))
+  _, experts = moe.route(x.reshape(-1, 16), layer.router[...], top_k=3,
+                        normalise=normalise, dtype=jnp.float32)
   used = np.unique(np.asarray(experts))
   norms = np.abs(np.asarray(grads['gate_proj'][...])).sum(axis=(1, 2))
   assert (norms[used] > 0).all() and len(used) > 1
@@ -132,3 +136,46 @@ def test_config_errors_name_the_problem():
   assert model_config.from_hf_config(hf).num_experts == 4
   with pytest.raises(ValueError, match='mlp_only_layers'):
     model_config.from_hf_config(dict(hf, mlp_only_layers=[0]))
+
+
+@pytest.mark.parametrize('mesh_sizes', [
+    {'expert': 4, 'fsdp': 2}, {'expert': 2, 'fsdp': 2, 'tensor': 2},
+    {'data': 2, 'sequence': 2, 'tensor': 2}])
+def test_expert_parallel_layer_equals_one_device(mesh_sizes):
+  """Experts split over `expert` (tokens all-gathered within the group and
+  reduce-scattered back), hidden width over `tensor`, tokens over the
+  batch and sequence axes: values and gradients are the unsharded ones."""
+  sizes = {a: mesh_sizes.get(a, 1) for a in sharding.MESH_AXES}
+  mesh = sharding.make_mesh(sizes, jax.devices()[:8])
+  cfg = model_config.ModelConfig(
+      'qwen3_moe', 50, 16, 32, 1, 2, 1, 8, qk_norm=True, num_experts=8,
+      num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=True)
+  layer = transformer.RoutedMLP(cfg, rngs=nnx.Rngs(0))
+  layer.router[...] = layer.router[...] * 20
+  graphdef, params = nnx.split(layer, nnx.Param)
+  x = jax.random.normal(jax.random.key(2), (8, 6, 16))
+
+  def loss(p, x):
+    y = nnx.merge(graphdef, p)(x)
+    return jnp.sum(y * jnp.cos(x)), y
+
+  want_grads, (_, want) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+      params, x), loss(params, x)
+  shardings = sharding.state_shardings(params, mesh)
+  x_sharding = jax.sharding.NamedSharding(mesh, moe.P(
+      sharding.BATCH_AXES, 'sequence' if sizes['sequence'] > 1 else None))
+
+  @jax.jit
+  def on_mesh(p, x):
+    with sharding.mesh_context(mesh):
+      return jax.grad(loss, argnums=(0, 1), has_aux=True)(p, x), loss(p, x)
+
+  got_grads, (_, got) = on_mesh(jax.device_put(params, shardings),
+                                jax.device_put(x, x_sharding))
+  gate_spec = str(shardings['gate_proj'].get_raw_value().spec)
+  assert ('expert' in gate_spec) == (sizes['expert'] > 1)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                             atol=1e-6)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got_grads),
+                              jax.tree.map(np.asarray, want_grads),
+                              rtol=1e-5, atol=1e-6)

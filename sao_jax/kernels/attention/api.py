@@ -25,7 +25,6 @@ with `reference.dense_attention` (the model calls it directly).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import jax
@@ -38,27 +37,11 @@ from sao_jax.kernels.attention import reference
 
 P = jax.sharding.PartitionSpec
 
-_meshes: list = []  # the learner's mesh while it traces a step
-
-
-@contextlib.contextmanager
-def mesh_context(mesh):
-  """Run a Mosaic attention kernel per shard of `mesh` while tracing inside.
-
-  XLA cannot partition a Mosaic custom call, so on a mesh of more than one
-  device the splash kernel runs under `jax.shard_map`; the learner enters
-  this around the steps it traces. Without it the kernel is one call.
-  """
-  _meshes.append(mesh)
-  try:
-    yield
-  finally:
-    _meshes.pop()
-
-
 def _splash(q, k, v, segment_ids):
+  # XLA cannot partition a Mosaic custom call: on a mesh of more than one
+  # device (`sharding.mesh_context`) the kernel runs per shard.
   interpret = platforms.target() != 'tpu'
-  mesh = _meshes[-1] if _meshes else None
+  mesh = sharding.current_mesh()
   if mesh is None or mesh.size == 1:
     return pallas_tpu.splash_self_attention(q, k, v, segment_ids, interpret)
   # Rows over the batch axes; heads over `tensor` where both head counts
