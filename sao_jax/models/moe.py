@@ -21,6 +21,8 @@ over `fsdp` at the shard_map boundary, as XLA does for a dense layer.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -71,6 +73,31 @@ def _grouped_swiglu(x_Nxd, weights_Nxk, experts_Nxk, gate_ExdxF, up_ExdxF,
   return jnp.zeros_like(x_Nxd).at[token_P].add(out_Pxd * weight_P[:, None])
 
 
+def _routed_tokens(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
+                   top_k, normalise, dtype, expert=None, tensor=None):
+  """The routed layer over the tokens here: with `expert`, this device's
+  experts among its expert group's gathered tokens; with `tensor`, this
+  device's slice of the hidden width (both inside `shard_map` only)."""
+  lead, d = x_BxTxd.shape[:-1], x_BxTxd.shape[-1]
+  x_Nxd = x_BxTxd.reshape(-1, d)
+  weights, experts = route(x_Nxd, router_dxE, top_k=top_k,
+                           normalise=normalise, dtype=dtype)
+  first = 0
+  if expert is not None:  # the expert group's tokens, in device order
+    x_Nxd, weights, experts = (
+        jax.lax.all_gather(a, expert, tiled=True)
+        for a in (x_Nxd, weights, experts))
+    first = jax.lax.axis_index(expert) * gate_ExdxF.shape[0]
+  y_Nxd = _grouped_swiglu(x_Nxd, weights, experts, gate_ExdxF, up_ExdxF,
+                          down_ExFxd, first, dtype)
+  if tensor is not None:  # each device summed its slice of the width
+    y_Nxd = jax.lax.psum(y_Nxd, tensor)
+  if expert is not None:  # every token's sum, back where it lives
+    y_Nxd = jax.lax.psum_scatter(y_Nxd, expert, scatter_dimension=0,
+                                 tiled=True)
+  return y_Nxd.reshape(*lead, d)
+
+
 def routed_swiglu(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
                   top_k: int, normalise: bool, dtype):
   """`sum_j w_j * SwiGLU_{e_j}(x)` over each token's k routed experts.
@@ -87,18 +114,9 @@ def routed_swiglu(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
   """
   mesh = sharding.current_mesh()
   if mesh is None or mesh.size == 1:
-    lead, d = x_BxTxd.shape[:-1], x_BxTxd.shape[-1]
-    x_Nxd = x_BxTxd.reshape(-1, d)
-    weights, experts = route(x_Nxd, router_dxE, top_k=top_k,
-                             normalise=normalise, dtype=dtype)
-    return _grouped_swiglu(x_Nxd, weights, experts, gate_ExdxF, up_ExdxF,
-                           down_ExFxd, 0, dtype).reshape(*lead, d)
-  return _on_mesh(mesh, x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF,
-                  down_ExFxd, top_k=top_k, normalise=normalise, dtype=dtype)
-
-
-def _on_mesh(mesh, x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
-             top_k, normalise, dtype):
+    return _routed_tokens(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF,
+                          down_ExFxd, top_k=top_k, normalise=normalise,
+                          dtype=dtype)
   expert_ways = mesh.shape.get(sharding.EXPERT_AXIS, 1)
   tensor_ways = mesh.shape.get('tensor', 1)
   num_experts, _, hidden = gate_ExdxF.shape
@@ -112,27 +130,8 @@ def _on_mesh(mesh, x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
               and x_BxTxd.shape[1] % mesh.shape[sharding.SEQUENCE_AXIS] == 0
               else None)
   tokens = P(sharding.BATCH_AXES, sequence, None)
-
-  def local(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd):
-    lead, d = x_BxTxd.shape[:-1], x_BxTxd.shape[-1]
-    x_Nxd = x_BxTxd.reshape(-1, d)
-    weights, experts = route(x_Nxd, router_dxE, top_k=top_k,
-                             normalise=normalise, dtype=dtype)
-    first = 0
-    if expert is not None:  # the expert group's tokens, in device order
-      x_Nxd, weights, experts = (
-          jax.lax.all_gather(a, expert, tiled=True)
-          for a in (x_Nxd, weights, experts))
-      first = jax.lax.axis_index(expert) * gate_ExdxF.shape[0]
-    y_Nxd = _grouped_swiglu(x_Nxd, weights, experts, gate_ExdxF, up_ExdxF,
-                            down_ExFxd, first, dtype)
-    if tensor is not None:  # each device summed its slice of the width
-      y_Nxd = jax.lax.psum(y_Nxd, tensor)
-    if expert is not None:  # every token's sum, back where it lives
-      y_Nxd = jax.lax.psum_scatter(y_Nxd, expert, scatter_dimension=0,
-                                   tiled=True)
-    return y_Nxd.reshape(*lead, d)
-
+  local = functools.partial(_routed_tokens, top_k=top_k, normalise=normalise,
+                            dtype=dtype, expert=expert, tensor=tensor)
   return jax.shard_map(
       local, mesh=mesh,
       in_specs=(tokens, P(), P(expert, None, tensor), P(expert, None, tensor),
