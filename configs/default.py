@@ -73,6 +73,16 @@ def get_config(arg=None):
   # 49152 makes the whole logits of a 16 x 64 batch 0.2 GB per copy, and the
   # backward pass held about four such buffers.
   c.model.logits_chunk_size = 16
+  # MoE policies only. moe_routing: learn (the learner's routers pick each
+  # token's experts) | replay (tokens the engine generated go to the experts
+  # it recorded, so pi and mu are computed on the same experts; the router
+  # still gets its gradient through the probabilities of those experts).
+  # Either way policy/routing_disagreement reports the share of recorded
+  # (token, layer, slot) picks the learner's routers would not make.
+  c.model.moe_routing = 'learn'
+  # The routers' load-balancing loss (HF router_aux_loss_coef; Qwen3-MoE
+  # pretrained with 0.001) added to the policy loss; 0 leaves it out.
+  c.model.router_aux_loss_coef = 0.0
 
   # The task: a reasoning-gym dataset name, or arith_chain_sum |
   # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a

@@ -8,7 +8,9 @@ trajectories, the paper's learning rates) on the MoE's shape
 (`arch:qwen3-30b-a3b`: 48 layers, 8 of 128 experts of width 768 per token)
 with its experts split 8 ways over the `expert` mesh axis (16 per chip) and
 the rest FSDP over 4. The critic is the same MoE with attention frozen (its
-experts train). For a real run set --config.model.source to a Qwen3-30B-A3B
+experts train). Routing replay is on (the servers record each token's
+experts and the learner routes by them: pi and mu on the same experts) with
+Qwen3-MoE's own balancing-loss weight. For a real run set --config.model.source to a Qwen3-30B-A3B
 checkpoint directory. Memory per chip: BENCHMARKS.md (planning TPU runs).
 """
 
@@ -22,4 +24,6 @@ def get_config(arg=None):
   c.model.source = 'arch:qwen3-30b-a3b'
   c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor = 1, 4, 8, 1
   c.optim.microbatches = 1  # 32 rows over 32 shards: one 8k row per chip
+  c.model.moe_routing = 'replay'
+  c.model.router_aux_loss_coef = 0.001  # HF Qwen3MoeConfig's default
   return c

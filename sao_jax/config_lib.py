@@ -223,6 +223,8 @@ def validate(config: ml_collections.ConfigDict,
   check.choice('rollout.dtype', ('',) + DTYPES)
   check.choice('model.layer_loop', model_config.LAYER_LOOPS)
   check.non_negative_int('model.logits_chunk_size')
+  check.choice('model.moe_routing', tuple(model_config.MOE_ROUTINGS))
+  check.non_negative('model.router_aux_loss_coef')
 
   batch = check.positive_int('batch_size')
   check.positive_int('optim.policy_epochs')

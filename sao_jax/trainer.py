@@ -117,6 +117,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   # weights for the critic.
   learner = learner_lib.Learner(config, model, mesh, init_state=not resume)
   vocab_size = model.config.vocab_size
+  experts = (model.config.num_layers, model.config.num_experts_per_tok,
+             model.config.num_experts)
   # From here on the learner state holds the weights: the loaded model's own
   # buffers would be one more resident copy of the policy.
   del model
@@ -147,7 +149,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   try:
     rollouts = rollout_system.RolloutSystem(
         config, workdir, tok, env, ledger, vocab_size,
-        batch_size, step, restart, stop_flag)
+        batch_size, step, restart, stop_flag, experts=experts)
     if resume and host.get('queue'):
       rollouts.load_state_dict(host['queue'])
     env.on_policy_step(step)

@@ -40,6 +40,10 @@ class Trajectory:
       elsewhere.
     reward: the outcome reward (placed on the last action token in batches).
     info: task and episode details (correctness, answer, turns, finish reason).
+    routed_experts: int16 `[L, layers * k]` or None: for an MoE policy, the
+      experts the engine routed each generated token to (each layer's k,
+      layer by layer), -1 on tokens it did not record (prompt,
+      observations); what routing replay feeds the learner.
   """
   prompt_id: str
   tokens: np.ndarray
@@ -49,6 +53,7 @@ class Trajectory:
   reward: float
   group_id: str | None = None
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  routed_experts: np.ndarray | None = None
 
   @property
   def length(self) -> int:
@@ -105,6 +110,9 @@ class TrainBatch:
     num_action_tokens_N: int32 (the length-adaptive lambda's l).
     slot_ids_N: int32 running-mean slot of each trajectory's prompt (0 when
       unused).
+    routed_experts_BxTxR: int16 `[B, T, R]` (R = layers x k) the experts the
+      engine routed each token to, -1 where it recorded none; None for a
+      dense policy (`Trajectory.routed_experts`).
   """
   tokens_BxT: Any
   input_mask_BxT: Any
@@ -117,6 +125,7 @@ class TrainBatch:
   reward_N: Any
   num_action_tokens_N: Any
   slot_ids_N: Any
+  routed_experts_BxTxR: Any = None
 
 
 # The dtype of each `TrainBatch` field (`rollout.batching` builds them so).
@@ -127,11 +136,17 @@ TRAIN_BATCH_DTYPES = {
     'rewards_BxT': np.float32, 'positions_BxT': np.int32,
     'segment_ids_BxT': np.int32, 'reward_N': np.float32,
     'num_action_tokens_N': np.int32, 'slot_ids_N': np.int32,
+    'routed_experts_BxTxR': np.int16,
 }
+# The sentinel of a token whose routing was not recorded.
+NOT_RECORDED = -1
 
 
 def field_rank(name: str) -> int:
-  """2 for a `_BxT` field, 1 for a `_N` field of `TrainBatch`."""
+  """3 for a `_BxTxR` field, 2 for a `_BxT` field, 1 for a `_N` field of
+  `TrainBatch`."""
+  if name.endswith('_BxTxR'):
+    return 3
   return 2 if name.endswith('_BxT') else 1
 
 

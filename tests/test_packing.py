@@ -98,7 +98,7 @@ def step_quantities(config, batch):
                                       batch, params)[0]
 
     def policy_loss(p):
-      logp, _ = algorithms.policy_logprobs(nnx.merge(policy_def, p), batch,
+      logp, _, _ = algorithms.policy_logprobs(nnx.merge(policy_def, p), batch,
                                            params)
       return algorithms.policy_loss(config, logp, batch, adv,
                                     jax.lax.stop_gradient(prox))[0]

@@ -41,6 +41,7 @@ from sao_jax import sharding
 from sao_jax import types
 from sao_jax.learner import optimizers
 from sao_jax.models import critic as critic_lib
+from sao_jax.models import model_config
 from sao_jax.models import sampling
 from sao_jax.models import transformer
 from sao_jax.rl import advantages
@@ -73,6 +74,13 @@ class Learner:
                                             config.rollout.top_k,
                                             config.rollout.top_p)
     self.logits_chunk = config.model.logits_chunk_size
+    # An MoE policy's batches carry the engine's routing records: each
+    # token's experts, R = layers x k of them (`types.TrainBatch`).
+    moe_config = policy.config
+    self.routing_width = (moe_config.num_layers * moe_config.num_experts_per_tok
+                          if moe_config.num_experts else 0)
+    self.replay = model_config.MOE_ROUTINGS[
+        config.model.get('moe_routing', 'learn')]
     self.actor_tx = optimizers.make(
         config.optim.actor, config.total_steps,
         config.optim.policy_epochs * config.optim.policy_minibatches)
@@ -107,6 +115,9 @@ class Learner:
                                                      1) > 1 else None))
     self.row_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
+    # [B, T, R] fields: as [B, T], the last axis whole.
+    self.token_record_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*self.batch_sharding.spec, None))
     self._param_shardings = {
         name: sharding.state_shardings(params, mesh, rules)
         for name, params in (('policy', policy_params),
@@ -223,12 +234,13 @@ class Learner:
     `batch_size` trajectories (N) in `rows` rows of `length` (0: one per row).
     """
     rows = rows or batch_size
+    shapes = {1: (batch_size,), 2: (rows, length),
+              3: (rows, length, self.routing_width)}
     return jax.tree.map(
         lambda name, s: jax.ShapeDtypeStruct(
-            (rows, length) if types.field_rank(name) == 2
-            else (batch_size,), types.TRAIN_BATCH_DTYPES[name], sharding=s),
-        types.TrainBatch(**{n: n for n in types.TRAIN_BATCH_DTYPES}),
-        self._batch_shardings())
+            shapes[types.field_rank(name)], types.TRAIN_BATCH_DTYPES[name],
+            sharding=s),
+        self._batch_fields(), self._batch_shardings())
 
   def compile_train_step(self, batch_size: int, length: int,
                          rows: int = 0) -> None:
@@ -245,11 +257,34 @@ class Learner:
                           self.abstract_batch(batch_size, length, rows)
                           ).compile()
 
-  def _batch_shardings(self) -> types.TrainBatch:
+  def _batch_fields(self) -> types.TrainBatch:
+    """Each field's name, None for the routing records of a dense policy
+    (the step's batch has exactly these fields)."""
     return types.TrainBatch(**{
-        name: (self.batch_sharding if types.field_rank(name) == 2
-               else self.row_sharding)
-        for name in types.TrainBatch.__dataclass_fields__})
+        name: (None if types.field_rank(name) == 3 and not self.routing_width
+               else name) for name in types.TRAIN_BATCH_DTYPES})
+
+  def _batch_shardings(self) -> types.TrainBatch:
+    by_rank = {1: self.row_sharding, 2: self.batch_sharding,
+               3: self.token_record_sharding}
+    return jax.tree.map(lambda name: by_rank[types.field_rank(name)],
+                        self._batch_fields())
+
+  def _with_routing_records(self, batch: types.TrainBatch) -> types.TrainBatch:
+    """`batch` with the routing field the step expects: an MoE policy's
+    batch without records gets `NOT_RECORDED` everywhere (its routers pick
+    every token's experts); a dense policy's drops any."""
+    records = batch.routed_experts_BxTxR
+    if not self.routing_width:
+      return batch.replace(routed_experts_BxTxR=None)
+    if records is None:
+      records = np.full(np.shape(batch.tokens_BxT) + (self.routing_width,),
+                        types.NOT_RECORDED, np.int16)
+    elif np.shape(records)[-1] != self.routing_width:
+      raise ValueError(
+          f'routing records of width {np.shape(records)[-1]}; the policy'
+          f' routes {self.routing_width} (layers x experts per token)')
+    return batch.replace(routed_experts_BxTxR=records)
 
   # -- models ------------------------------------------------------------------
 
@@ -271,6 +306,7 @@ class Learner:
     segment ids (1 + a trajectory's local index) move past the trajectories
     of the processes before it.
     """
+    batch = self._with_routing_records(batch)
     if jax.process_count() > 1:
       ids = np.asarray(batch.segment_ids_BxT)
       offset = jax.process_index() * len(batch.reward_N)
@@ -401,7 +437,8 @@ class Learner:
     at a time (no gradient): the proximal, reference and parity passes."""
     return jax.lax.stop_gradient(map_microbatches(
         lambda rows: algorithms.policy_logprobs(
-            policy, rows, self.sampling, chunk_size=self.logits_chunk)[0],
+            policy, rows, self.sampling, chunk_size=self.logits_chunk,
+            replay=self.replay)[0],
         types.row_fields(batch), self.config.optim.microbatches))
 
   def _minibatch(self, data, version, update, minibatches: int,
@@ -423,7 +460,8 @@ class Learner:
     return jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(
             jnp.take(x, rows, axis=0),
-            self.batch_sharding if x.ndim == 2 else self.row_sharding),
+            {1: self.row_sharding, 2: self.batch_sharding,
+             3: self.token_record_sharding}[x.ndim]),
         data)
 
   def _train_step(self, state: types.LearnerState, batch):
@@ -502,11 +540,15 @@ class Learner:
     def loss_fn(params, micro, totals):
       model = nnx.merge(self._policy_def, params)
       batch = micro['batch']
-      logp, entropy = algorithms.policy_logprobs(
-          model, batch, self.sampling, with_entropy, self.logits_chunk)
+      logp, entropy, routing = algorithms.policy_logprobs(
+          model, batch, self.sampling, with_entropy, self.logits_chunk,
+          self.replay)
       loss, loss_metrics = algorithms.policy_loss(
           cfg, logp, batch, micro['advantages_BxT'], micro.get('prox_logp_BxT'),
           entropy, micro.get('ref_logp_BxT'), self.mesh)
+      router_loss, router_metrics = algorithms.routing_terms(cfg, routing)
+      loss = loss + router_loss
+      loss_metrics.update(router_metrics)
       weight = algorithms.microbatch_weight(
           batch.action_mask_BxT, batch.segment_ids_BxT, totals,
           cfg.policy_loss.aggregation)

@@ -67,8 +67,10 @@ def insert(cache: KVCache, prefix: KVCache, slot) -> KVCache:
 
 
 def decode_step(model: transformer.CausalLM, cache: KVCache, tokens_B,
-                positions_B):
-  """Feeds one token per slot at its position; returns `(logits_BxV, cache)`.
+                positions_B, with_routing: bool = False):
+  """Feeds one token per slot at its position; returns `(logits_BxV, cache)`
+  (and, `with_routing`, the fed tokens' `moe.Routing` or None: the experts
+  an MoE policy sent them to, `[L, B, 1, k]`).
 
   Slot b attends to cache positions `<= positions_B[b]`, so padding a prefill
   left beyond a prompt (and stale entries of a reused slot) is never read:
@@ -77,10 +79,11 @@ def decode_step(model: transformer.CausalLM, cache: KVCache, tokens_B,
   """
   cache_len = cache.k.shape[2]
   mask_Bx1xS = (jnp.arange(cache_len)[None] <= positions_B[:, None])[:, None]
-  hidden, (k, v) = model.decoder(tokens_B[:, None], positions_B[:, None],
-                                 mask_Bx1xS, cache=(cache.k, cache.v),
-                                 write_index_B=positions_B)
-  return model.logits(hidden)[:, 0], KVCache(k, v)
+  hidden, (k, v), *routing = model.decoder(
+      tokens_B[:, None], positions_B[:, None], mask_Bx1xS,
+      cache=(cache.k, cache.v), write_index_B=positions_B,
+      with_routing=with_routing)
+  return (model.logits(hidden)[:, 0], KVCache(k, v), *routing)
 
 
 @dataclasses.dataclass

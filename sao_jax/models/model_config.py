@@ -25,6 +25,9 @@ ARCHITECTURES = {
 }
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 LAYER_LOOPS = ('auto', 'scan', 'unroll')
+# `model.moe_routing` -> whether the learner replays the engine's recorded
+# experts (routing replay) instead of routing each token itself.
+MOE_ROUTINGS = {'learn': False, 'replay': True}
 ATTENTIONS = attention_api.CHOICES
 # 'auto' unrolls stacks up to this depth off TPU. Measured on CPU (BENCHMARKS.md,
 # learner): 2 layers, -24% step time at equal compile time; SmolLM2's 30,

@@ -22,6 +22,7 @@ over `fsdp` at the shard_map boundary, as XLA does for a dense layer.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +33,86 @@ P = jax.sharding.PartitionSpec
 _F32 = jnp.float32
 
 
-def route(x_Nxd, router_dxE, *, top_k: int, normalise: bool, dtype):
-  """(weights `[N, k]` in `dtype`, expert ids `[N, k]`) of each token.
+class Routing(NamedTuple):
+  """What one routed layer did with its tokens (`[B, T, ...]`), or the
+  per-layer sums of a whole stack (`Decoder(..., with_routing=True)`).
+
+  Attributes:
+    experts: int32 `[..., k]` the experts each token went to (stacked
+      `[L, B, T, k]` over layers): what an engine records for replay.
+    expert_tokens_E: tokens (real ones, summed over their k slots) sent to
+      each expert: the load f of the balancing loss, unnormalised.
+    expert_probs_E: the router's probabilities summed over real tokens: its
+      P, unnormalised.
+    tokens: real tokens routed (per layer, summed over layers in a stack).
+    mismatched: recorded (token, slot) pairs whose expert is not among the
+      router's own top k (the engine/learner disagreement).
+    recorded: recorded (token, slot) pairs compared.
+  """
+  experts: Any
+  expert_tokens_E: Any
+  expert_probs_E: Any
+  tokens: Any
+  mismatched: Any
+  recorded: Any
+
+
+def route(x_Nxd, router_dxE, *, top_k: int, normalise: bool, dtype,
+          recorded_Nxk=None, replay: bool = False):
+  """`(weights [N, k] in dtype, experts [N, k], probs [N, E] f32, own [N, k])`.
 
   The softmax is over all E experts, in float32; with `normalise` the k
   chosen probabilities are rescaled to sum to 1 (HF `norm_topk_prob`).
+  `own` is the router's top k. With `replay`, a token whose `recorded_Nxk`
+  row is set (>= 0; -1 marks a token the engine did not record) goes to
+  those experts instead (routing replay): its weights are still this
+  router's probabilities of them, so the router keeps its gradient.
   """
   logits_NxE = jnp.matmul(x_Nxd, router_dxE.astype(dtype))
   probs_NxE = jax.nn.softmax(logits_NxE.astype(_F32), axis=-1)
-  weights_Nxk, experts_Nxk = jax.lax.top_k(probs_NxE, top_k)
+  weights_Nxk, own_Nxk = jax.lax.top_k(probs_NxE, top_k)
+  experts_Nxk = own_Nxk
+  if replay and recorded_Nxk is not None:
+    replayed_N = recorded_Nxk[:, 0] >= 0
+    experts_Nxk = jnp.where(replayed_N[:, None],
+                            recorded_Nxk.astype(own_Nxk.dtype), own_Nxk)
+    weights_Nxk = jnp.take_along_axis(probs_NxE, experts_Nxk, axis=-1)
   if normalise:
     weights_Nxk = weights_Nxk / jnp.sum(weights_Nxk, -1, keepdims=True)
-  return weights_Nxk.astype(dtype), experts_Nxk
+  return weights_Nxk.astype(dtype), experts_Nxk, probs_NxE, own_Nxk
+
+
+def routing_sums(experts_BxTxk, own_BxTxk, probs_BxTxE, real_BxT,
+                 recorded_BxTxk=None) -> Routing:
+  """A layer's `Routing`: its loads, probabilities and disagreement summed
+  over the real tokens (plain array ops, outside any `shard_map`, so that
+  the balancing loss differentiates through `probs` as XLA shards it)."""
+  num_experts = probs_BxTxE.shape[-1]
+  real = real_BxT.astype(_F32)
+  hits_BxTxE = jnp.sum(jax.nn.one_hot(experts_BxTxk, num_experts,
+                                      dtype=_F32), axis=-2)
+  mismatched = recorded = jnp.zeros((), _F32)
+  if recorded_BxTxk is not None:
+    compared_BxT = real * (recorded_BxTxk[..., 0] >= 0)
+    found_BxTxk = jnp.any(recorded_BxTxk[..., :, None]
+                          == own_BxTxk[..., None, :], axis=-1)
+    mismatched = jnp.sum(compared_BxT[..., None] * (~found_BxTxk))
+    recorded = jnp.sum(compared_BxT) * own_BxTxk.shape[-1]
+  return Routing(
+      experts=experts_BxTxk,
+      expert_tokens_E=jnp.einsum('bte,bt->e', hits_BxTxE, real),
+      expert_probs_E=jnp.einsum('bte,bt->e', probs_BxTxE, real),
+      tokens=jnp.sum(real), mismatched=mismatched, recorded=recorded)
+
+
+def load_balancing_loss(routing: Routing):
+  """The Switch-style auxiliary loss `E * sum_e f_e * P_e` over all layers'
+  tokens pooled (as HF's `load_balancing_loss_func`): f_e the share of
+  token slots sent to e, P_e the mean router probability of e."""
+  num_experts = routing.expert_probs_E.shape[-1]
+  count = jnp.maximum(routing.tokens, 1.0)  # layers x real tokens
+  return num_experts * jnp.sum((routing.expert_tokens_E / count)
+                               * (routing.expert_probs_E / count))
 
 
 def _grouped_swiglu(x_Nxd, weights_Nxk, experts_Nxk, gate_ExdxF, up_ExdxF,
@@ -73,15 +142,25 @@ def _grouped_swiglu(x_Nxd, weights_Nxk, experts_Nxk, gate_ExdxF, up_ExdxF,
   return jnp.zeros_like(x_Nxd).at[token_P].add(out_Pxd * weight_P[:, None])
 
 
-def _routed_tokens(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
-                   top_k, normalise, dtype, expert=None, tensor=None):
+def _routed_tokens(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd,
+                   recorded_BxTxk, *, top_k, normalise, replay, dtype,
+                   expert=None, tensor=None):
   """The routed layer over the tokens here: with `expert`, this device's
   experts among its expert group's gathered tokens; with `tensor`, this
-  device's slice of the hidden width (both inside `shard_map` only)."""
+  device's slice of the hidden width (both inside `shard_map` only).
+
+  Returns `(y [B, T, d], experts [B, T, k], probs [B, T, E], own [B, T, k])`
+  of these tokens (`route`).
+  """
   lead, d = x_BxTxd.shape[:-1], x_BxTxd.shape[-1]
   x_Nxd = x_BxTxd.reshape(-1, d)
-  weights, experts = route(x_Nxd, router_dxE, top_k=top_k,
-                           normalise=normalise, dtype=dtype)
+  recorded_Nxk = (None if recorded_BxTxk is None
+                  else recorded_BxTxk.reshape(-1, top_k))
+  weights, experts, probs_NxE, own = route(
+      x_Nxd, router_dxE, top_k=top_k, normalise=normalise, dtype=dtype,
+      recorded_Nxk=recorded_Nxk, replay=replay)
+  routed = (experts.reshape(*lead, top_k), probs_NxE.reshape(*lead, -1),
+            own.reshape(*lead, top_k))
   first = 0
   if expert is not None:  # the expert group's tokens, in device order
     x_Nxd, weights, experts = (
@@ -95,11 +174,12 @@ def _routed_tokens(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
   if expert is not None:  # every token's sum, back where it lives
     y_Nxd = jax.lax.psum_scatter(y_Nxd, expert, scatter_dimension=0,
                                  tiled=True)
-  return y_Nxd.reshape(*lead, d)
+  return (y_Nxd.reshape(*lead, d),) + routed
 
 
 def routed_swiglu(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
-                  top_k: int, normalise: bool, dtype):
+                  top_k: int, normalise: bool, dtype, recorded_BxTxk=None,
+                  replay: bool = False):
   """`sum_j w_j * SwiGLU_{e_j}(x)` over each token's k routed experts.
 
   Args:
@@ -108,15 +188,21 @@ def routed_swiglu(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
     gate_ExdxF, up_ExdxF, down_ExFxd: the experts' SwiGLU kernels.
     top_k: k experts per token; normalise: renormalise their weights.
     dtype: the compute dtype.
+    recorded_BxTxk: optional int experts an engine routed each token to
+      (-1: not recorded): compared with this router's choice, and used
+      instead of it with `replay` (`route`).
+    replay: route recorded tokens to their recorded experts.
 
   Returns:
-    `[B, T, d]` in `dtype`.
+    `(y [B, T, d] in dtype, experts [B, T, k], probs [B, T, E] float32,
+    own [B, T, k])`: the experts used, the router's probabilities and its
+    own top k.
   """
   mesh = sharding.current_mesh()
+  options = dict(top_k=top_k, normalise=normalise, replay=replay, dtype=dtype)
   if mesh is None or mesh.size == 1:
     return _routed_tokens(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF,
-                          down_ExFxd, top_k=top_k, normalise=normalise,
-                          dtype=dtype)
+                          down_ExFxd, recorded_BxTxk, **options)
   expert_ways = mesh.shape.get(sharding.EXPERT_AXIS, 1)
   tensor_ways = mesh.shape.get('tensor', 1)
   num_experts, _, hidden = gate_ExdxF.shape
@@ -130,11 +216,13 @@ def routed_swiglu(x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd, *,
               and x_BxTxd.shape[1] % mesh.shape[sharding.SEQUENCE_AXIS] == 0
               else None)
   tokens = P(sharding.BATCH_AXES, sequence, None)
-  local = functools.partial(_routed_tokens, top_k=top_k, normalise=normalise,
-                            dtype=dtype, expert=expert, tensor=tensor)
+  local = functools.partial(_routed_tokens, expert=expert, tensor=tensor,
+                            **options)
   return jax.shard_map(
       local, mesh=mesh,
       in_specs=(tokens, P(), P(expert, None, tensor), P(expert, None, tensor),
-                P(expert, tensor, None)),
-      out_specs=tokens, check_vma=False)(
-          x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd)
+                P(expert, tensor, None),
+                None if recorded_BxTxk is None else tokens),
+      out_specs=(tokens,) * 4, check_vma=False)(
+          x_BxTxd, router_dxE, gate_ExdxF, up_ExdxF, down_ExFxd,
+          recorded_BxTxk)

@@ -27,7 +27,10 @@ from sao_jax.models import transformer
 SMOLLM2_135M_INSTRUCT = 'smollm2-135m-instruct'
 # A tiny random Llama with a word tokenizer (sao_jax.models.tiny): CI runs.
 TINY_RANDOM = 'tiny-random'
-NAMED_MODELS = (SMOLLM2_135M_INSTRUCT, TINY_RANDOM)
+# Its Qwen3-MoE sibling (four routed experts, two per token): MoE CI runs.
+TINY_RANDOM_MOE = 'tiny-random-moe'
+_TINY = {TINY_RANDOM: {}, TINY_RANDOM_MOE: {'experts': 4}}
+NAMED_MODELS = (SMOLLM2_135M_INSTRUCT, TINY_RANDOM, TINY_RANDOM_MOE)
 
 
 def from_pretrained(source: str, dtype: str = 'float32',
@@ -60,8 +63,8 @@ def from_pretrained(source: str, dtype: str = 'float32',
   overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
                    layer_loop=layer_loop, logits_dtype=logits_dtype,
                    attention=attention)
-  if source == TINY_RANDOM:
-    model, tok = tiny.make()
+  if source in _TINY:
+    model, tok = tiny.make(**_TINY[source])
     if all(getattr(model.config, k) == v for k, v in overrides.items()):
       return model, tok
     hf_config = model_config.to_hf_config(model.config)
@@ -104,8 +107,8 @@ def abstract_model(source: str, dtype: str = 'float32',
       cfg = model_config.from_hf_config(json.load(f), **overrides)
   elif source == SMOLLM2_135M_INSTRUCT:
     cfg = architectures.get('smollm2-135m', **overrides)
-  elif source == TINY_RANDOM:
-    cfg = tiny.make()[0].config.replace(**overrides)
+  elif source in _TINY:
+    cfg = tiny.make(**_TINY[source])[0].config.replace(**overrides)
   else:
     raise ValueError(f'unknown model source {source!r}')
   return nnx.eval_shape(lambda: transformer.CausalLM(cfg, rngs=nnx.Rngs(0)))

@@ -1,4 +1,5 @@
-"""A tiny random Llama with a word-level tokenizer, for tests and quick runs.
+"""A tiny random Llama (or Qwen3-MoE) with a word-level tokenizer, for tests
+and quick runs.
 
 Words `w0 .. wN` are the vocabulary; `<|im_start|>` / `<|im_end|>` are special
 tokens and `<|im_end|>` is the EOS, so chat prompts, stop tokens and the rollout
@@ -25,8 +26,12 @@ _CHAT_TEMPLATE = (
 
 
 def make(seed: int = 0, with_stop: bool = True, vocab: int = VOCAB,
-         hidden: int = 32, layers: int = 2):
-  """`(model, tokenizer)`: a random tiny Llama and its word-level tokenizer."""
+         hidden: int = 32, layers: int = 2, experts: int = 0):
+  """`(model, tokenizer)`: a random tiny Llama and its word-level tokenizer.
+
+  With `experts` > 0 the model is a Qwen3-MoE of the same shape (q/k norms,
+  `experts` routed experts of width `hidden`, two per token).
+  """
   start, end = (('<|im_start|>', '<|im_end|>') if with_stop
                 else ('<|s|>', '<|e|>'))
   specials = ['<unk>', start, end]
@@ -43,9 +48,13 @@ def make(seed: int = 0, with_stop: bool = True, vocab: int = VOCAB,
   tok = tokenizer_lib.Tokenizer(backend, eos_token=end if with_stop else None,
                                 pad_token='<unk>', unk_token='<unk>',
                                 chat_template=template)
+  moe = dict(qk_norm=True, num_experts=experts, num_experts_per_tok=2,
+             moe_intermediate_size=hidden, norm_topk_prob=True) if experts \
+      else {}
   cfg = model_config.ModelConfig(
-      'llama', vocab, hidden, 2 * hidden, layers, 4, 2, hidden // 4,
-      eos_token_id=words[end] if with_stop else None)
+      'qwen3_moe' if experts else 'llama', vocab, hidden, 2 * hidden, layers,
+      4, 2, hidden // 4, eos_token_id=words[end] if with_stop else None,
+      **moe)
   return transformer.init_causal_lm(cfg, seed=seed), tok
 
 

@@ -180,11 +180,18 @@ class RoutedMLP(nnx.Module):
     self.normalise = cfg.norm_topk_prob
     self.dtype = cfg.compute_dtype
 
-  def __call__(self, x_BxTxd):
-    return moe.routed_swiglu(
+  def __call__(self, x_BxTxd, real_BxT=None, recorded_BxTxk=None,
+               replay: bool = False):
+    """`(y_BxTxd, moe.Routing)`; `real_BxT` marks the tokens the routing
+    sums count (all by default), `recorded_BxTxk` / `replay` as
+    `moe.routed_swiglu`."""
+    y, experts, probs, own = moe.routed_swiglu(
         x_BxTxd, self.router[...], self.gate_proj[...], self.up_proj[...],
         self.down_proj[...], top_k=self.top_k, normalise=self.normalise,
-        dtype=self.dtype)
+        dtype=self.dtype, recorded_BxTxk=recorded_BxTxk, replay=replay)
+    if real_BxT is None:
+      real_BxT = jnp.ones(x_BxTxd.shape[:2], bool)
+    return y, moe.routing_sums(experts, own, probs, real_BxT, recorded_BxTxk)
 
 
 class Block(nnx.Module):
@@ -199,11 +206,17 @@ class Block(nnx.Module):
                 else MLP(cfg, rngs=rngs))
 
   def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None,
-               write_index=None):
+               write_index=None, real=None, recorded=None, replay=False):
+    """`(x, (keys, values), moe.Routing or None)`: routing arguments as
+    `RoutedMLP`'s (a dense block has none)."""
     h, kv = self.attn(self.attn_norm(x), cos, sin, mask, cache_k, cache_v,
                       write_index)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), kv
+    if isinstance(self.mlp, RoutedMLP):
+      y, routing = self.mlp(self.mlp_norm(x), real, recorded, replay)
+    else:
+      y, routing = self.mlp(self.mlp_norm(x)), None
+    return x + y, kv, routing
 
 
 class Decoder(nnx.Module):
@@ -226,7 +239,8 @@ class Decoder(nnx.Module):
                               cfg.params_dtype)
 
   def __call__(self, tokens_BxT, positions_BxT, mask, cache=None,
-               write_index_B=None):
+               write_index_B=None, *, recorded_experts_BxTxR=None,
+               replay: bool = False, with_routing: bool = False):
     """Runs the stack; returns `(hidden_BxTxd, (keys, values))`.
 
     Args:
@@ -237,28 +251,57 @@ class Decoder(nnx.Module):
         t may attend cache position s.
       cache: optional `(k, v)`, each `[L, B, S, K, D]`, for decoding.
       write_index_B: where each row's new keys go in the cache.
+      recorded_experts_BxTxR: optional int `[B, T, L * k]` (MoE only): the
+        experts an engine routed each token to, layer by layer (-1: not
+        recorded); compared with the routers' choices, and with `replay`
+        used instead of them (`moe.route`).
+      replay: routing replay (`model.moe_routing = 'replay'`).
+      with_routing: also return the `moe.Routing` of the stack: experts
+        `[L, B, T, k]`, the other fields summed over layers (None for a
+        dense model).
 
     Returns:
       The final-normed hidden states and the per-layer keys/values
-      `[L, B, T or S, K, D]` (this call's own, or the updated cache).
+      `[L, B, T or S, K, D]` (this call's own, or the updated cache); and
+      the routing with `with_routing`.
     """
     cfg = self.config
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
     cos, sin = rope_cos_sin(positions_BxT, jnp.asarray(cfg.rope_inv_freq()))
     graphdef, stacked = nnx.split(self.blocks)
+    # The tokens the routing sums count: real ones (segment id > 0) of a
+    # full sequence, every one of a decode step.
+    real_BxT = (jnp.asarray(mask) > 0 if cache is None
+                else jnp.ones(tokens_BxT.shape, bool))
+    recorded_LxBxTxk = None
+    if cfg.num_experts and recorded_experts_BxTxR is not None:
+      batch, length = tokens_BxT.shape
+      recorded_LxBxTxk = jnp.moveaxis(jnp.asarray(
+          recorded_experts_BxTxR, jnp.int32).reshape(
+              batch, length, cfg.num_layers, cfg.num_experts_per_tok), 2, 0)
 
     def layer(x, xs):
-      params, cache_k, cache_v = xs
+      params, cache_k, cache_v, recorded = xs
       block = nnx.merge(graphdef, params)
-      return block(x, cos, sin, mask, cache_k, cache_v, write_index_B)
+      x, kv, routing = block(x, cos, sin, mask, cache_k, cache_v,
+                             write_index_B, real_BxT, recorded, replay)
+      return x, (kv, routing)
 
     if cfg.remat:
       layer = jax.checkpoint(layer)
     cache_k, cache_v = cache if cache is not None else (None, None)
     unroll = cfg.unroll_layers(platforms.target())
-    x, kv = jax.lax.scan(layer, x, (stacked, cache_k, cache_v),
-                         unroll=cfg.num_layers if unroll else 1)
-    return self.final_norm(x), kv
+    x, (kv, routing) = jax.lax.scan(
+        layer, x, (stacked, cache_k, cache_v, recorded_LxBxTxk),
+        unroll=cfg.num_layers if unroll else 1)
+    hidden = self.final_norm(x)
+    if not with_routing:
+      return hidden, kv
+    if routing is not None:  # per-layer sums -> the stack's
+      routing = routing._replace(**{
+          f: jnp.sum(getattr(routing, f), axis=0)
+          for f in moe.Routing._fields if f != 'experts'})
+    return hidden, kv, routing
 
 
 def default_positions(tokens_BxT, input_mask_BxT=None):
@@ -308,20 +351,25 @@ class CausalLM(nnx.Module):
                                           segment_ids))
 
   def hidden_states(self, tokens, positions=None, input_mask=None,
-                    segment_ids=None):
+                    segment_ids=None, *, recorded_experts_BxTxR=None,
+                    replay: bool = False, with_routing: bool = False):
     """The final-normed hidden states `[B, T, d]` the LM head reads.
 
     For a caller that applies the head itself (`sampling.chunked_token_logprobs`
-    never holds the whole `[B, T, V]` logits). Arguments as `__call__`.
+    never holds the whole `[B, T, V]` logits). Arguments as `__call__`; the
+    routing ones as `Decoder.__call__`'s (with `with_routing`, returns
+    `(hidden, moe.Routing or None)`).
     """
     array_checks.require_rank('CausalLM', 'tokens', tokens, '[B, T]')
     if input_mask is None:
       input_mask = jnp.ones(tokens.shape, bool)
     if positions is None:
       positions = default_positions(tokens, input_mask)
-    hidden, _ = self.decoder(tokens, positions, attention_mask(input_mask,
-                                                               segment_ids))
-    return hidden
+    out = self.decoder(tokens, positions,
+                       attention_mask(input_mask, segment_ids),
+                       recorded_experts_BxTxR=recorded_experts_BxTxR,
+                       replay=replay, with_routing=with_routing)
+    return (out[0], out[2]) if with_routing else out[0]
 
   def logits(self, hidden_BxTxd):
     """LM head on final hidden states, float32 logits (operands in

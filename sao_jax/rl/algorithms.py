@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from sao_jax.kernels.dis_loss import api as dis_loss_api
 from sao_jax.kernels.gae import api as gae_api
+from sao_jax.models import moe
 from sao_jax.models import sampling
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
@@ -49,26 +50,46 @@ def _shift_right(x_BxT):
 
 
 def policy_logprobs(policy, batch, params: sampling.SamplingParams,
-                    with_entropy: bool = False, chunk_size: int = 0):
+                    with_entropy: bool = False, chunk_size: int = 0,
+                    replay: bool = False):
   """log pi_theta(a_t | s_t) `[B, T]` under the rollout's sampling distribution.
 
   The learner recomputes exactly what the engine recorded as mu_t (same
   temperature, top-k, top-p), so their ratio is the importance weight.
   `chunk_size` > 0 applies the LM head that many positions at a time
   (`sampling.chunked_token_logprobs`: the `[B, T, V]` logits are never whole).
+  An MoE policy compares its routing with the engine's records
+  (`batch.routed_experts_BxTxR`) and with `replay` uses them.
 
   Returns:
-    `(logp_BxT, entropy_BxT or None)`.
+    `(logp_BxT, entropy_BxT or None, moe.Routing or None)`.
   """
-  hidden_BxTxd = policy.hidden_states(batch.tokens_BxT, batch.positions_BxT,
-                                      batch.input_mask_BxT,
-                                      batch.segment_ids_BxT)
+  hidden_BxTxd, routing = policy.hidden_states(
+      batch.tokens_BxT, batch.positions_BxT, batch.input_mask_BxT,
+      batch.segment_ids_BxT, recorded_experts_BxTxR=batch.routed_experts_BxTxR,
+      replay=replay, with_routing=True)
   targets_BxT = jnp.roll(batch.tokens_BxT, -1, axis=1)  # token t+1 at t
   logp_BxT, entropy_BxT = sampling.chunked_token_logprobs(
       policy.logits, hidden_BxTxd, targets_BxT, params, chunk_size,
       with_entropy)
   return _shift_right(logp_BxT), (None if entropy_BxT is None
-                                  else _shift_right(entropy_BxT))
+                                  else _shift_right(entropy_BxT)), routing
+
+
+def routing_terms(config, routing):
+  """The router's share of the policy loss and its metrics (MoE only).
+
+  `router_aux_loss_coef` x the load-balancing loss (`moe.load_balancing_loss`)
+  and `routing_disagreement`: the share of the engine's recorded expert
+  picks that the learner's routers would not make (0 with no records).
+  """
+  if routing is None:
+    return 0.0, {}
+  aux = moe.load_balancing_loss(routing)
+  metrics = {'router_aux_loss': aux,
+             'routing_disagreement': routing.mismatched
+                                     / jnp.maximum(routing.recorded, 1.0)}
+  return config.model.get('router_aux_loss_coef', 0.0) * aux, metrics
 
 
 def critic_values(critic, batch):

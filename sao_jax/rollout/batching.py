@@ -63,7 +63,10 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
   Raises:
     ValueError: no trajectories, one longer than max_length, one without an
       action token (its reward would have nowhere to go), one whose first
-      token is an action, or R > N.
+      token is an action, routing records of different widths, or R > N.
+
+  `routed_experts_BxTxR` is set when any trajectory carries routing records
+  (the others' tokens are `types.NOT_RECORDED`), None otherwise.
   """
   num = len(trajectories)
   if not num:
@@ -85,6 +88,11 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
       raise ValueError(f'assemble_batch: trajectory {n} (prompt'
                        f' {traj.prompt_id!r}) starts with an action token;'
                        ' it needs a prompt')
+  widths = {t.routed_experts.shape[-1] for t in trajectories
+            if t.routed_experts is not None}
+  if len(widths) > 1:
+    raise ValueError(f'assemble_batch: routing records of widths'
+                     f' {sorted(widths)} in one batch')
   if packed_rows:
     lengths = [t.length for t in trajectories]
     layout = (first_fit_decreasing(lengths, max_length, packed_rows)
@@ -100,6 +108,8 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
   rewards_BxT = np.zeros((rows, max_length), np.float32)
   positions_BxT = np.zeros((rows, max_length), np.int32)
   segment_ids_BxT = np.zeros((rows, max_length), np.int32)
+  experts_BxTxR = (np.full((rows, max_length, widths.pop()),
+                           types.NOT_RECORDED, np.int16) if widths else None)
   for row, members in enumerate(layout):
     start = 0
     for n in members:
@@ -116,6 +126,8 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
       rewards_BxT[row, start + np.flatnonzero(mask_L)[-1]] = traj.reward
       positions_BxT[row, start:end] = np.arange(traj.length)
       segment_ids_BxT[row, start:end] = n + 1
+      if experts_BxTxR is not None and traj.routed_experts is not None:
+        experts_BxTxR[row, start:end] = traj.routed_experts
       start = end
   return types.TrainBatch(
       tokens_BxT=tokens_BxT,
@@ -129,7 +141,8 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
       reward_N=np.array([t.reward for t in trajectories], np.float32),
       num_action_tokens_N=np.array(
           [t.num_action_tokens for t in trajectories], np.int32),
-      slot_ids_N=np.zeros(num, np.int32))
+      slot_ids_N=np.zeros(num, np.int32),
+      routed_experts_BxTxR=experts_BxTxR)
 
 
 def padding_fraction(batch: types.TrainBatch) -> float:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+import numpy as np
 # The protobuf messages alone import no JAX (unlike the rest of JetStream,
 # which goes through `jetstream_compat`).
 from jetstream.core.proto import jetstream_pb2 as pb
@@ -55,6 +56,8 @@ class Sample:
   versions: list[int]  # policy version per token
   finish_reason: str  # 'stop' (ended on a stop token) or 'length'
   server: str = ''
+  # int16 [tokens, R]: an MoE engine's experts per token (wire.RoutingLayout)
+  experts: np.ndarray | None = None
 
 
 class _Server:
@@ -104,7 +107,8 @@ class ServerPool:
                max_prompt_length: int | None = None, probe_interval_s=1.0,
                health_timeout_s=5.0,
                before_revive: Callable[[str], Awaitable[bool]] | None = None,
-               start_dead: bool = False):
+               start_dead: bool = False,
+               routing: wire.RoutingLayout = wire.RoutingLayout()):
     """Sets up the pool (connections open in `__aenter__`).
 
     Args:
@@ -121,6 +125,8 @@ class ServerPool:
       before_revive: awaited with the address of a dead server whose health
         check answers again; it returns whether the server may take traffic
         (the trainer's hook brings it to the current weights first).
+      routing: how the servers' MoE routing records travel (the policy's
+        `wire.RoutingLayout`; the default: a dense policy, none).
       start_dead: every server starts dead, so the first traffic waits for
         `before_revive` (servers that may serve stale weights).
     """
@@ -132,6 +138,7 @@ class ServerPool:
     self._deadline_s = deadline_s
     self._max_retries = max_retries
     self._stop_ids = set(int(s) for s in stop_ids)
+    self._routing = routing
     self._max_prompt_length = max_prompt_length
     self._probe_interval_s = probe_interval_s
     self._health_timeout_s = health_timeout_s
@@ -350,20 +357,25 @@ class ServerPool:
         while len(per_sample) <= i:
           per_sample.append([])
         if sample.token_ids:
-          per_sample[i].append(wire.decode_step(sample.token_ids))
+          per_sample[i].append(wire.decode_step(sample.token_ids,
+                                                self._routing))
     results = []
     for steps in per_sample:
-      tokens, logprobs, versions = [], [], []
-      for t, lp, v in steps:
+      tokens, logprobs, versions, experts = [], [], [], []
+      for t, lp, v, e in steps:
         tokens += t
         logprobs += lp
         versions += v
+        experts.append(e)
       if versions and versions[0] == wire.PROMPT_TOO_LONG:
         self.counters['prompt_too_long'] += 1
         raise RequestFailed('prompt_too_long', 'the server refused it')
       stopped = bool(tokens) and tokens[-1] in self._stop_ids
+      records = (np.concatenate(experts) if self._routing.ids_per_token
+                 and experts else None)
       results.append(Sample(tokens, logprobs, versions,
-                            'stop' if stopped else 'length', server.address))
+                            'stop' if stopped else 'length', server.address,
+                            records))
     if not results or not any(r.tokens for r in results):
       self.counters['empty_response'] += 1
       raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,

@@ -57,6 +57,7 @@ from flax import nnx
 from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax.models import decoding
+from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
 from sao_jax.models import tokenizer as tokenizer_lib
@@ -227,6 +228,8 @@ class Engine(engine_api.Engine):
     """
     self.config = config
     self.model_config = model.config
+    # An MoE policy's steps carry each token's experts (routing replay).
+    self.routing = routing_layout(model.config)
     self._tok = tok
     devices = jax.local_devices() if devices is None else devices
     self._mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=len(devices)),
@@ -373,9 +376,9 @@ class Engine(engine_api.Engine):
     rows = data.shape[0]
     return decode_state, engine_api.ResultTokens(
         data=data,
-        tokens_idx=(0, wire.NUM_COLUMNS),
-        valid_idx=(wire.NUM_COLUMNS, 2 * wire.NUM_COLUMNS),
-        length_idx=(2 * wire.NUM_COLUMNS, 2 * wire.NUM_COLUMNS + 1),
+        tokens_idx=(0, self.routing.width),
+        valid_idx=(self.routing.width, 2 * self.routing.width),
+        length_idx=(2 * self.routing.width, 2 * self.routing.width + 1),
         samples_per_slot=rows // self.config.max_concurrent_decodes)
 
   def _count_emitted(self, emitted) -> None:
@@ -588,7 +591,9 @@ def _generate(graphdef, params, stop_ids, cache_len, max_new, state, version,
       else jnp.zeros_like(emit_N)
   # Feed the token at its position; a slot whose cache is full stops after it.
   write_N = jnp.minimum(ds.positions, cache_len - 1)
-  logits_NxV, cache = decoding.decode_step(model, ds.cache, tokens_N, write_N)
+  layout = routing_layout(model.config)
+  logits_NxV, cache, routing = decoding.decode_step(
+      model, ds.cache, tokens_N, write_N, with_routing=True)
   full_N = ds.positions + 1 >= cache_len
   if max_new:
     full_N = full_N | (ds.generated + 1 >= max_new)
@@ -612,13 +617,37 @@ def _generate(graphdef, params, stop_ids, cache_len, max_new, state, version,
       jnp.where(marker_N, 0.0, logp_N).astype(jnp.float32), jnp.int32)
   columns[wire.VERSION] = jnp.where(marker_N, wire.PROMPT_TOO_LONG,
                                     ds.logits_version)
+  if layout.ids_per_token:  # the experts the fed-back token went to
+    records_NxC = _pack_routing(routing.experts, layout)
+    columns += [records_NxC[:, c] for c in range(layout.columns)]
   valid = (emit_N | marker_N).astype(jnp.int32)
   # ResultTokens: the wire columns, a validity flag per column, the length.
-  data = jnp.stack(columns + [valid] * wire.NUM_COLUMNS
+  data = jnp.stack(columns + [valid] * layout.width
                    + [new.generated + marker_N], axis=1)
   # For the prefix cache: which rows this step left done, and the number of
   # tokens it sampled.
   return new, data, ~new.active, jnp.sum(emit_N.astype(jnp.int32))
+
+
+def routing_layout(cfg: model_config.ModelConfig) -> wire.RoutingLayout:
+  """How this policy's routing records travel (none for a dense one)."""
+  return wire.RoutingLayout.for_model(cfg.num_layers, cfg.num_experts_per_tok,
+                                      cfg.num_experts)
+
+
+def _pack_routing(experts_LxNx1xk, layout: wire.RoutingLayout):
+  """int32 `[N, columns]`: each row's `[L * k]` expert ids, layer by layer,
+  packed `layout.ids_per_column` to a column (`wire.RoutingLayout.unpack`)."""
+  layers, rows, _, top_k = experts_LxNx1xk.shape
+  ids_NxR = jnp.moveaxis(experts_LxNx1xk[:, :, 0], 1, 0).reshape(
+      rows, layers * top_k).astype(jnp.uint32)
+  per = layout.ids_per_column
+  ids_NxCxJ = jnp.pad(ids_NxR, ((0, 0), (0, layout.columns * per
+                                         - layers * top_k))).reshape(
+                                             rows, layout.columns, per)
+  shifts_J = jnp.arange(per, dtype=jnp.uint32) * layout.bits_per_id
+  words_NxC = jnp.sum(ids_NxCxJ << shifts_J, axis=-1, dtype=jnp.uint32)
+  return jax.lax.bitcast_convert_type(words_NxC, jnp.int32)
 
 
 def sampling_key(config: EngineConfig) -> jax.Array:

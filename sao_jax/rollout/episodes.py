@@ -106,6 +106,9 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
   masks = [[False] * len(prompt)]
   logprobs = [[0.0] * len(prompt)]
   versions = [[types.NO_VERSION] * len(prompt)]
+  # Per row, the routing record's pieces: a token count where the engine
+  # recorded none (prompt, observations), its `[n, R]` records otherwise.
+  records = [[len(prompt)]]
   rewards, infos, open_ = [0.0], [{}], [True]
   # The task each row's next turn is judged with (`StepResult.next_task`).
   judged = [task]
@@ -129,6 +132,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
       masks = [list(masks[0]) for _ in samples]
       logprobs = [list(logprobs[0]) for _ in samples]
       versions = [list(versions[0]) for _ in samples]
+      records = [list(records[0]) for _ in samples]
       rewards, infos, open_ = [0.0] * len(samples), [{}] * len(samples), [
           True] * len(samples)
       judged = [task] * len(samples)
@@ -142,6 +146,8 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
       masks[row] += [True] * len(sample.tokens)
       logprobs[row] += sample.logprobs
       versions[row] += sample.versions
+      records[row].append(len(sample.tokens) if sample.experts is None
+                          else sample.experts)
       text = tok.decode(sample.tokens, skip_special_tokens=True)
       result = await env.astep(judged[row], turn, text)
       infos[row] = dict(result.info, finish_reason=sample.finish_reason,
@@ -165,6 +171,7 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
       masks[row] += [False] * len(observation)
       logprobs[row] += [0.0] * len(observation)
       versions[row] += [types.NO_VERSION] * len(observation)
+      records[row].append(len(observation))
     turn += 1
     if len(tokens) > 1:
       break  # G samples per request: single-turn only (see the docstring)
@@ -180,6 +187,19 @@ async def run_episode(pool: client_lib.ServerPool, env: base.Environment,
           action_mask=np.asarray(masks[row], bool),
           behavior_logprobs=np.asarray(logprobs[row], np.float32),
           versions=np.asarray(versions[row], np.int32),
-          reward=rewards[row], info=dict(infos[row], task_id=task.id))
+          reward=rewards[row], info=dict(infos[row], task_id=task.id),
+          routed_experts=_routing_record(records[row]))
       for row in range(len(tokens))
   ]
+
+
+def _routing_record(pieces) -> np.ndarray | None:
+  """A row's `[L, R]` routing record from its pieces (None when the engine
+  recorded nothing: a dense policy)."""
+  widths = {p.shape[1] for p in pieces if isinstance(p, np.ndarray)}
+  if not widths:
+    return None
+  width = widths.pop()
+  return np.concatenate([
+      p.astype(np.int16) if isinstance(p, np.ndarray)
+      else np.full((p, width), types.NOT_RECORDED, np.int16) for p in pieces])

@@ -145,6 +145,7 @@ class RolloutQueue:
                max_abs_reward: float | None = None,
                required_info: Mapping[str, type | tuple[type, ...]]
                | None = None,
+               routing: tuple[int, int] | None = None,
                loop: asyncio.AbstractEventLoop | None = None,
                clock: Callable[[], float] = time.monotonic):
     """Creates an empty queue at learner and rollout version 0.
@@ -170,6 +171,8 @@ class RolloutQueue:
         have, for the keys the consumer of the batches reads (e.g.
         {'task_index': int}); a trajectory lacking one is rejected
         ('bad_info') rather than crashing the training loop later.
+      routing: `(R, E)`, an MoE policy's routing-record width and expert
+        count (`trajectory_checks.rejection_reason`); None for a dense one.
       loop: the event loop the workers run in. Needed only if the learner
         thread calls a `*_blocking` method before any coroutine of the queue
         ran in the loop (which binds it).
@@ -213,6 +216,7 @@ class RolloutQueue:
     # A copy: the caller's mapping changing later must not change the gate.
     self.required_info = (None if required_info is None else
                           dict(required_info))
+    self.routing = None if routing is None else tuple(routing)
     self._books = queue_books.Books(batch_size, max_staleness, group_size,
                                     capacity, notify=self._notify,
                                     clock=clock)
@@ -275,7 +279,7 @@ class RolloutQueue:
           newest_version=books.newest_version(),
           logprob_tolerance=self.logprob_tolerance,
           max_abs_reward=self.max_abs_reward,
-          required_info=self.required_info)
+          required_info=self.required_info, routing=self.routing)
       group = queue_books.group_key(traj) if self.group_size > 1 else None
       if reason is None and self.group_size > 1:
         reason = books.group_reason(lease, group)

@@ -45,6 +45,7 @@ from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server_supervisor
 from sao_jax.rollout import weight_stream
 from sao_jax.rollout import weight_sync
+from sao_jax.rollout import wire
 from sao_jax.rollout import workers
 
 # The longest single wait between two checks for a stop or a dead fleet.
@@ -77,7 +78,8 @@ class RolloutSystem:
   """
 
   def __init__(self, config, workdir: str, tok, env, ledger, vocab_size: int,
-               batch_size: int, version: int, restart: int, stop_flag):
+               batch_size: int, version: int, restart: int, stop_flag, *,
+               experts: tuple[int, int, int] = (0, 0, 0)):
     """Starts the local servers (if any) and sets up queue and workers.
 
     Args:
@@ -93,9 +95,13 @@ class RolloutSystem:
       restart: how many times the run was restarted (folded into the local
         servers' sampling keys).
       stop_flag: `checkpointing`'s stop flag, polled in every wait.
+      experts: an MoE policy's (layers, experts per token, experts): its
+        servers record each token's experts (`wire.RoutingLayout`), which
+        the queue checks and batches carry; zeros for a dense policy.
     """
     r = config.rollout
     self._config = config
+    routing = wire.RoutingLayout.for_model(*experts)
     self._pad_id = tok.pad_id or 0
     # Packing runs on one process only (config_lib), so the learner's mesh
     # is config.mesh over this process's devices.
@@ -155,7 +161,9 @@ class RolloutSystem:
         group_size=config.group_size, capacity=r.queue_capacity or None,
         logprob_tolerance=r.logprob_tolerance,
         max_abs_reward=r.max_abs_reward,
-        required_info={'task_index': int})
+        required_info={'task_index': int},
+        routing=((routing.ids_per_token, experts[2])
+                 if routing.ids_per_token else None))
     self._queue.set_learner_version(version)
     self._queue.set_rollout_version(version)
     self._rollout_version = version
@@ -177,7 +185,7 @@ class RolloutSystem:
                           probe_interval_s=r.health_interval_s,
                           health_timeout_s=r.health_timeout_s,
                           before_revive=self._publisher.catch_up,
-                          start_dead=True))
+                          start_dead=True, routing=routing))
     self._last_live = time.monotonic()
 
   # ------------------------------------------------------------- lifecycle

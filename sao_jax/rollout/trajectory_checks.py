@@ -41,6 +41,9 @@ REJECT_REASONS = (
     'bad_prompt_id',  # not a str (running-mean slots and metrics hash it)
     'bad_group_id',  # neither None nor a str (GRPO groups key on it)
     'bad_info',  # not a dict, or a required key missing or of the wrong type
+    # An MoE routing record of the wrong shape or dtype, an expert id out of
+    # range, a token partly recorded, or a record from a dense policy's run.
+    'bad_routing_record',
     'missing_group_id',  # group_size > 1 and group_id is None
     'group_mismatch',  # not the group the lease was admitted for
     'group_overflow',  # a member of a group already released to the learner
@@ -56,7 +59,8 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
                      logprob_tolerance: float = 1e-3,
                      max_abs_reward: float | None = None,
                      required_info: Mapping[str, type | tuple[type, ...]]
-                     | None = None) -> str | None:
+                     | None = None,
+                     routing: tuple[int, int] | None = None) -> str | None:
   """Why `traj` cannot be trained on (one of `REJECT_REASONS`), or None.
 
   Never raises: a worker bug must cost its trajectory, not the queue. An
@@ -82,10 +86,14 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
       bug); None bounds them by float32 only.
     required_info: info key -> the type (or tuple of types, as `isinstance`
       takes) its value must have; None requires no key.
+    routing: `(R, E)` of an MoE policy: a routing record, where there is one,
+      is `[L, R]` ints, each token's row all `types.NOT_RECORDED` or all
+      expert ids in [0, E). None: a dense policy, whose trajectories carry
+      none.
   """
   try:
     return _reason(traj, vocab_size, max_length, newest_version,
-                   logprob_tolerance, max_abs_reward, required_info)
+                   logprob_tolerance, max_abs_reward, required_info, routing)
   except Exception:  # pylint: disable=broad-exception-caught
     # Every check below guards what it touches; this is for objects whose
     # attributes or dunders raise what no check foresaw.
@@ -93,7 +101,7 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
 
 
 def _reason(traj, vocab_size, max_length, newest_version, logprob_tolerance,
-            max_abs_reward, required_info) -> str | None:
+            max_abs_reward, required_info, routing) -> str | None:
   """`rejection_reason`, which may raise on adversarial objects."""
   if not isinstance(traj, types.Trajectory):
     return 'malformed'
@@ -129,6 +137,8 @@ def _reason(traj, vocab_size, max_length, newest_version, logprob_tolerance,
   if (not np.all(np.isfinite(action_logprobs)) or
       np.any(action_logprobs > logprob_tolerance)):
     return 'bad_logprobs'
+  if _routing_reason(traj.routed_experts, tokens.shape[0], routing):
+    return 'bad_routing_record'
   reason = _reward_reason(traj.reward, max_abs_reward)
   if reason is not None:
     return reason
@@ -137,6 +147,20 @@ def _reason(traj, vocab_size, max_length, newest_version, logprob_tolerance,
   if traj.group_id is not None and not _is_key(traj.group_id):
     return 'bad_group_id'
   return _info_reason(traj.info, required_info)
+
+
+def _routing_reason(record, length: int, routing) -> bool:
+  """Whether a routing record is unusable (see `rejection_reason`)."""
+  if record is None:
+    return False
+  if routing is None or not isinstance(record, np.ndarray):
+    return True
+  width, num_experts = routing
+  if record.dtype.kind not in 'iu' or record.shape != (length, width):
+    return True
+  unset_L = np.all(record == types.NOT_RECORDED, axis=1)
+  valid_L = np.all((record >= 0) & (record < num_experts), axis=1)
+  return not np.all(unset_L | valid_L)
 
 
 def _reward_reason(reward, max_abs_reward) -> str | None:

@@ -8,6 +8,10 @@ and the client splits them again with `decode_step`. Both import the layout
 from here; this module imports neither JAX nor JetStream, so the client does
 not either.
 
+An MoE engine appends, per sample, the experts it routed the token to
+(`RoutingLayout`: each layer's k ids, layer by layer, packed 4 (or 2, past
+256 experts) to a column), so that the learner can replay them.
+
 A prompt longer than the server's `max_prefill_length` (which JetStream would
 truncate silently) is answered with one step whose version is
 `PROMPT_TOO_LONG`.
@@ -15,6 +19,7 @@ truncate silently) is answered with one step whose version is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,14 +31,64 @@ NUM_COLUMNS = 3
 PROMPT_TOO_LONG = -2
 
 
-def decode_step(ids: Sequence[int]
-                ) -> tuple[list[int], list[float], list[int]]:
-  """Splits one streamed step `[token, bits, version] * k` into its parts.
+@dataclasses.dataclass(frozen=True)
+class RoutingLayout:
+  """How an MoE engine's routing record of one token travels.
+
+  Attributes:
+    ids_per_token: R = layers x experts per token (0: a dense model, no
+      record).
+    bits_per_id: 8 for up to 256 experts, 16 beyond.
+  """
+  ids_per_token: int = 0
+  bits_per_id: int = 8
+
+  @classmethod
+  def for_model(cls, num_layers: int, experts_per_token: int,
+                num_experts: int) -> 'RoutingLayout':
+    if not num_experts:
+      return cls()
+    if num_experts > 2**16:
+      raise ValueError(f'{num_experts} experts do not fit a routing record')
+    return cls(num_layers * experts_per_token,
+               8 if num_experts <= 2**8 else 16)
+
+  @property
+  def ids_per_column(self) -> int:
+    return 32 // self.bits_per_id
+
+  @property
+  def columns(self) -> int:
+    """int32 columns the record takes after `[token, bits, version]`."""
+    return -(-self.ids_per_token // self.ids_per_column)
+
+  @property
+  def width(self) -> int:
+    """Columns of one sample's step."""
+    return NUM_COLUMNS + self.columns
+
+  def unpack(self, columns_KxC) -> np.ndarray:
+    """int16 `[K, R]` expert ids from the packed `[K, columns]` int32s
+    (id j of a column in its bits `[j * bits, (j + 1) * bits)`)."""
+    words_KxC = np.asarray(columns_KxC, np.int32).view(np.uint32)
+    shifts_J = np.arange(self.ids_per_column, dtype=np.uint32) * np.uint32(
+        self.bits_per_id)
+    ids = (words_KxC[..., None] >> shifts_J) & np.uint32(
+        (1 << self.bits_per_id) - 1)
+    return ids.reshape(len(words_KxC), -1)[:, :self.ids_per_token].astype(
+        np.int16)
+
+
+def decode_step(ids: Sequence[int], routing: RoutingLayout = RoutingLayout()):
+  """Splits streamed steps `[token, bits, version, record...] * k`.
 
   Returns:
-    The k tokens, their log-probs mu_t and their policy versions.
+    The k tokens, their log-probs mu_t, their policy versions, and their
+    routing records (int16 `[k, R]`; None for a dense model).
   """
-  ids_Kx3 = np.asarray(ids, np.int32).reshape(-1, NUM_COLUMNS)
-  logprobs_K = ids_Kx3[:, LOGPROB_BITS].view(np.float32)
-  return (ids_Kx3[:, TOKEN].tolist(), logprobs_K.tolist(),
-          ids_Kx3[:, VERSION].tolist())
+  ids_KxW = np.asarray(ids, np.int32).reshape(-1, routing.width)
+  logprobs_K = ids_KxW[:, LOGPROB_BITS].copy().view(np.float32)
+  experts_KxR = (routing.unpack(ids_KxW[:, NUM_COLUMNS:])
+                 if routing.ids_per_token else None)
+  return (ids_KxW[:, TOKEN].tolist(), logprobs_K.tolist(),
+          ids_KxW[:, VERSION].tolist(), experts_KxR)

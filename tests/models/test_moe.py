@@ -111,14 +111,15 @@ def test_grouped_matmuls_equal_a_loop_over_tokens(normalise):
   layer = transformer.RoutedMLP(cfg, rngs=nnx.Rngs(0))
   layer.router[...] = layer.router[...] * 20  # spread the router's choices
   x = jax.random.normal(jax.random.key(1), (3, 7, 16))
-  got = np.asarray(layer(x)).reshape(-1, 16)
+  got = np.asarray(layer(x)[0]).reshape(-1, 16)
   np.testing.assert_allclose(got, _loop_reference(layer, x.reshape(-1, 16)),
                              rtol=1e-5, atol=1e-6)
   # Gradients reach every expert that was chosen, and the router.
   graphdef, params = nnx.split(layer, nnx.Param)
-  grads = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(x) ** 2))(params)
+  grads = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(x)[0] ** 2))(
+      params)
   assert float(jnp.abs(grads['router'][...]).sum()) > 0
-  _, experts = moe.route(x.reshape(-1, 16), layer.router[...], top_k=3,
+  _, experts, _, _ = moe.route(x.reshape(-1, 16), layer.router[...], top_k=3,
                         normalise=normalise, dtype=jnp.float32)
   used = np.unique(np.asarray(experts))
   norms = np.abs(np.asarray(grads['gate_proj'][...])).sum(axis=(1, 2))
@@ -155,9 +156,13 @@ def test_expert_parallel_layer_equals_one_device(mesh_sizes):
   graphdef, params = nnx.split(layer, nnx.Param)
   x = jax.random.normal(jax.random.key(2), (8, 6, 16))
 
+  recorded = jax.random.randint(jax.random.key(3), (8, 6, 2), -1, 8)
+  recorded = jnp.where(recorded[..., :1] < 0, -1, recorded)
+
   def loss(p, x):
-    y = nnx.merge(graphdef, p)(x)
-    return jnp.sum(y * jnp.cos(x)), y
+    y, routing = nnx.merge(graphdef, p)(x, recorded_BxTxk=recorded,
+                                        replay=True)
+    return jnp.sum(y * jnp.cos(x)) + moe.load_balancing_loss(routing), y
 
   want_grads, (_, want) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
       params, x), loss(params, x)
@@ -179,3 +184,75 @@ def test_expert_parallel_layer_equals_one_device(mesh_sizes):
   chex.assert_trees_all_close(jax.tree.map(np.asarray, got_grads),
                               jax.tree.map(np.asarray, want_grads),
                               rtol=1e-5, atol=1e-6)
+
+
+def _layer(num_experts=6, top_k=2, normalise=True):
+  cfg = model_config.ModelConfig(
+      'qwen3_moe', 50, 16, 32, 1, 2, 1, 8, qk_norm=True,
+      num_experts=num_experts, num_experts_per_tok=top_k,
+      moe_intermediate_size=12, norm_topk_prob=normalise)
+  layer = transformer.RoutedMLP(cfg, rngs=nnx.Rngs(0))
+  layer.router[...] = layer.router[...] * 20
+  return layer
+
+
+def test_replay_routes_recorded_tokens_to_the_recorded_experts():
+  """A token with a record goes to its recorded experts, weighted by this
+  router's probabilities of them; a token without one (-1) routes itself;
+  replaying the router's own choice changes nothing."""
+  layer = _layer(normalise=False)
+  x_Nxd = jax.random.normal(jax.random.key(1), (1, 5, 16))
+  own_y, own = layer(x_Nxd)
+  assert float(own.mismatched) == 0 and float(own.recorded) == 0
+  same_y, same = layer(x_Nxd, recorded_BxTxk=own.experts, replay=True)
+  np.testing.assert_array_equal(np.asarray(same_y), np.asarray(own_y))
+  assert float(same.mismatched) == 0 and float(same.recorded) == 10
+  # Token 0: experts the router did not pick; token 1: no record.
+  own_experts = np.asarray(own.experts)[0]
+  spare = [e for e in range(6) if e not in own_experts[0]][:2]
+  recorded = np.array(own_experts)
+  recorded[0], recorded[1] = spare, -1
+  y, routing = layer(x_Nxd, recorded_BxTxk=jnp.asarray(recorded)[None],
+                     replay=True)
+  np.testing.assert_array_equal(np.asarray(routing.experts)[0, 0], spare)
+  np.testing.assert_array_equal(np.asarray(routing.experts)[0, 1:],
+                                own_experts[1:])
+  assert float(routing.mismatched) == 2 and float(routing.recorded) == 8
+  # The replayed token's output by hand: its recorded experts under this
+  # router's (unnormalised) softmax weights.
+  x = np.asarray(x_Nxd[0, 0], np.float64)
+  logits = x @ np.asarray(layer.router[...], np.float64)
+  probs = np.exp(logits - logits.max())
+  probs /= probs.sum()
+  want = np.zeros(16)
+  for e in spare:
+    g = x @ np.asarray(layer.gate_proj[...][e], np.float64)
+    up = x @ np.asarray(layer.up_proj[...][e], np.float64)
+    want += probs[e] * ((g / (1 + np.exp(-g)) * up)
+                        @ np.asarray(layer.down_proj[...][e], np.float64))
+  np.testing.assert_allclose(np.asarray(y)[0, 0], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(y)[0, 1:], np.asarray(own_y)[0, 1:])
+  # `learn` compares but keeps the router's own choice.
+  learned_y, learned = layer(x_Nxd, recorded_BxTxk=jnp.asarray(recorded)[None])
+  np.testing.assert_array_equal(np.asarray(learned_y), np.asarray(own_y))
+  assert float(learned.mismatched) == 2
+
+
+def test_load_balancing_loss_matches_transformers():
+  """`E * sum_e f_e P_e` over real tokens of every layer, against HF's
+  `load_balancing_loss_func` on the same router logits and padding."""
+  from transformers.models.qwen3_moe import modeling_qwen3_moe  # pylint: disable=g-import-not-at-top
+  layers = [_layer(num_experts=6, top_k=2) for _ in range(2)]
+  layers[1].router[...] = layers[1].router[...][::-1] * 0.3
+  x_BxTxd = jax.random.normal(jax.random.key(4), (2, 5, 16))
+  real_BxT = np.ones((2, 5), bool)
+  real_BxT[1, 3:] = False
+  sums = [layer(x_BxTxd, jnp.asarray(real_BxT))[1] for layer in layers]
+  pooled = jax.tree.map(lambda a, b: a + b, sums[0], sums[1])
+  got = float(moe.load_balancing_loss(pooled))
+  logits = tuple(
+      torch.tensor(np.asarray(x_BxTxd.reshape(-1, 16) @ layer.router[...]))
+      for layer in layers)
+  want = float(modeling_qwen3_moe.load_balancing_loss_func(
+      logits, 6, 2, torch.tensor(real_BxT.astype(np.int64))))
+  np.testing.assert_allclose(got, want, rtol=1e-5)

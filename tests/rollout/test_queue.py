@@ -968,8 +968,10 @@ def test_assemble_batch_places_reward_on_last_action_and_pads_right():
   np.testing.assert_array_equal(batch.reward_N, [2.5, -1.0])
   np.testing.assert_array_equal(batch.num_action_tokens_N, [3, 2])
   np.testing.assert_array_equal(batch.slot_ids_N, [0, 0])  # set by trainer
+  assert batch.routed_experts_BxTxR is None  # no routing records
   for name, dtype in types.TRAIN_BATCH_DTYPES.items():
-    assert getattr(batch, name).dtype == dtype, name
+    if types.field_rank(name) < 3:
+      assert getattr(batch, name).dtype == dtype, name
 
 
 def test_assemble_batch_refuses_rows_it_cannot_hold():
@@ -987,6 +989,23 @@ def test_assemble_batch_refuses_rows_it_cannot_hold():
   with pytest.raises(ValueError, match=r'packed_rows=2 must be in \[0, 1\]'):
     batching.assemble_batch([fake_traj([0])], max_length=8, pad_id=0,
                             packed_rows=2)
+
+
+def test_assemble_batch_lays_routing_records_out_with_their_tokens():
+  """Packed two to a row: each record lands on its trajectory's tokens; a
+  trajectory without one, and the padding, read NOT_RECORDED."""
+  a, b = fake_traj([0]), fake_traj([0, 0])
+  a.routed_experts = np.arange(a.length * 2, dtype=np.int16).reshape(-1, 2)
+  batch = batching.assemble_batch([a, b], max_length=16, pad_id=0,
+                                  packed_rows=1)
+  records = batch.routed_experts_BxTxR
+  assert records.shape == (1, 16, 2) and records.dtype == np.int16
+  seg = batch.segment_ids_BxT[0]
+  np.testing.assert_array_equal(records[0, seg == 1], a.routed_experts)
+  assert (records[0, seg != 1] == types.NOT_RECORDED).all()
+  b.routed_experts = np.zeros((b.length, 3), np.int16)
+  with pytest.raises(ValueError, match='widths'):
+    batching.assemble_batch([a, b], max_length=16, pad_id=0)
 
 
 def test_finished_members_wait_for_their_group_and_the_wait_is_counted():
@@ -1036,3 +1055,43 @@ def test_single_rollouts_never_wait_for_a_group():
   assert stats['group_wait_seconds'] == 0.0
   assert stats['queue_seconds'] == pytest.approx(5.0 + 3.0)
   assert stats['group_wait_share'] == 0.0
+
+
+@pytest.mark.parametrize('kind', ['dense_run', 'wrong_width', 'wrong_length',
+                                  'expert_out_of_range', 'partly_recorded',
+                                  'float_ids', 'good', 'none'])
+def test_routing_records_are_checked_at_the_gate(kind):
+  """An MoE run's queue (R = 4 ids per token, E = 4 experts) takes a
+  record of the right shape whose rows are wholly set or wholly
+  NOT_RECORDED, or none at all; a dense run's takes none."""
+  traj = fake_traj([2])
+  record = np.full((traj.length, 4), types.NOT_RECORDED, np.int16)
+  record[np.asarray(traj.action_mask)] = [0, 3, 1, 2]
+  routing = (4, 4)
+  if kind == 'dense_run':
+    routing = None
+  elif kind == 'wrong_width':
+    record = record[:, :2]
+  elif kind == 'wrong_length':
+    record = record[:-1]
+  elif kind == 'expert_out_of_range':
+    record[-1] = [0, 1, 2, 4]
+  elif kind == 'partly_recorded':
+    record[-1, 0] = types.NOT_RECORDED
+  elif kind == 'float_ids':
+    record = record.astype(np.float32)
+  elif kind == 'none':
+    record = None
+  traj.routed_experts = record
+
+  async def main():
+    queue = queue_lib.RolloutQueue(1, 1, VOCAB, MAX_LEN, routing=routing)
+    queue.set_rollout_version(2)
+    queue.set_learner_version(2)
+    lease = await queue.admit(1)
+    accepted = await lease.put(traj)
+    return accepted, queue.stats()
+
+  accepted, stats = asyncio.run(main())
+  assert accepted == (kind in ('good', 'none'))
+  assert stats['rejected/bad_routing_record'] == (0 if accepted else 1)
