@@ -78,8 +78,10 @@ def collapse(run) -> int | None:
   if step is not None:
     return step
   final = run.get('final', {})
-  if final.get('policy/nonfinite_skips') or final.get(
-      'critic/nonfinite_skips'):
+  # `_total` since 2026-12-07; results written before carry the total
+  # under the per-step name.
+  if any(final.get(f'{role}/nonfinite_skips{suffix}')
+         for role in ('policy', 'critic') for suffix in ('_total', '')):
     return 0
   return None
 

@@ -65,7 +65,7 @@ STABILITY_KEYS = (
 #: at a run's last step, not a mean over steps.
 FINAL_KEYS = ('queue/group_wait_share', 'queue/group_wait_mean_seconds',
               'queue/dropped_groups', 'queue/dropped_incomplete_group',
-              'policy/nonfinite_skips', 'critic/nonfinite_skips')
+              'policy/nonfinite_skips_total', 'critic/nonfinite_skips_total')
 
 #: A run has collapsed when its smoothed reward falls this far below the best
 #: it reached and does not climb back to within half of that by the end.

@@ -221,15 +221,40 @@ def test_nan_reward_skips_the_update_and_is_counted(one_device):
   (metrics,) = run(learner, [0], nan_reward=True)
   assert metrics['policy/nonfinite_skips'] == 1
   assert metrics['critic/nonfinite_skips'] == 2  # K = 2 critic updates
+  assert metrics['policy/nonfinite_skips_total'] == 1
+  # The loss's inputs are still reported: they do not read the reward.
+  for key in ('policy/ratio_min', 'policy/ratio_max', 'policy/num_tokens'):
+    assert np.isfinite(metrics[key]), key
   chex.assert_trees_all_equal(flat(learner.state.policy), before_policy)
   chex.assert_trees_all_equal(flat(learner.state.critic), before_critic)
-  # The next, healthy batch trains normally.
+  # The next, healthy batch trains normally: no skip this step, one in all.
   (metrics,) = run(learner, [1])
-  assert metrics['policy/nonfinite_skips'] == 1
+  assert metrics['policy/nonfinite_skips'] == 0
+  assert metrics['policy/nonfinite_skips_total'] == 1
   assert np.isfinite(metrics['policy/loss'])
   changed = [k for k, v in flat(learner.state.policy).items()
              if not np.array_equal(v, before_policy[k])]
   assert changed
+
+
+def test_a_gradient_whose_norm_overflows_is_skipped_and_counted(one_device):
+  """A reward of 1e30 (finite in float32) gives finite gradient elements
+  whose global norm overflows: clipping would turn them into a silent zero
+  update. It is a counted skip, like a NaN."""
+  learner = one_device()
+  before = flat(learner.state.policy)
+  batch = fake_batch(0)
+  batch = batch.replace(reward_N=batch.reward_N * 0 + 1e30,
+                        rewards_BxT=np.where(batch.rewards_BxT != 0, 1e30,
+                                             batch.rewards_BxT))
+  learner.state, metrics = learner.train_step(learner.state,
+                                              learner.device_batch(batch))
+  assert not np.isfinite(float(metrics['policy/grad_norm']))
+  assert int(metrics['policy/nonfinite_skips']) == 1
+  assert int(metrics['critic/nonfinite_skips']) >= 1
+  for key in ('policy/ratio_min', 'policy/ratio_max', 'policy/num_tokens'):
+    assert np.isfinite(float(metrics[key])), key
+  chex.assert_trees_all_equal(flat(learner.state.policy), before)
 
 
 @pytest.mark.parametrize('algorithm', [

@@ -83,3 +83,22 @@ def test_moving_average_is_trailing():
   np.testing.assert_allclose(plots.moving_average([2, 4, 6, 8, 10], 3),
                              [2, 3, 4, 6, 8])
   np.testing.assert_allclose(plots.moving_average([1, 3], 1), [1, 3])
+
+
+def test_skipped_updates_are_marked(tmp_path):
+  """Per-step skip counts (with the running total beside them) mark their
+  steps; a log from before the split, whose `nonfinite_skips` was the
+  running total, marks the steps where it rose."""
+  run = tmp_path / 'run'
+  with metrics_log.MetricsLogger(run, tensorboard=False) as logger:
+    for step, (policy, critic) in enumerate([(0, 0), (1, 2), (0, 0), (0, 1)]):
+      logger.write(step, {'train/reward': 0.5, 'policy/nonfinite_skips': policy,
+                          'critic/nonfinite_skips': critic,
+                          'policy/nonfinite_skips_total': 1 if step else 0})
+  records = metrics_log.read_jsonl(run / 'metrics.jsonl')
+  assert plots.skipped_steps(records) == [1, 3]
+  png = plots.plot_learning_curves(run / 'metrics.jsonl', tmp_path / 's.png')
+  assert png_size(png)[0] > 0
+  old = [{'step': s, 'policy/nonfinite_skips': v}
+         for s, v in enumerate([0, 0, 1, 1, 3])]
+  assert plots.skipped_steps(old) == [2, 4]

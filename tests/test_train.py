@@ -48,7 +48,7 @@ def test_tiny_config_trains_and_reward_rises(tmp_path):
               'time/train_seconds', 'time/wait_seconds',
               'time/weight_push_seconds', 'time/weight_prepare_seconds',
               'rollout/server_swap_pause_max_seconds',
-              'policy/nonfinite_skips'):
+              'policy/nonfinite_skips', 'policy/nonfinite_skips_total'):
     assert key in last, key
   # Weights were streamed: no file (nor its directory) was written.
   assert not (tmp_path / 'weights').exists()

@@ -390,6 +390,7 @@ class Learner:
           _tokens=totals['tokens'])
 
     steps = passes * minibatches
+    opt_before = state.critic_opt
     (params, opt_state, first_values), per_step = jax.lax.scan(
         one_update, (state.critic, state.critic_opt,
                      zeros_BxT if monte_carlo else None), jnp.arange(steps))
@@ -412,7 +413,7 @@ class Learner:
         'learning_rate': learning_rate,
     }
     metrics = {f'critic/{k}': v for k, v in metrics.items()}
-    metrics['critic/nonfinite_skips'] = optimizers.nonfinite_count(opt_state)
+    metrics.update(_skip_counts('critic', opt_before, opt_state))
     return state, metrics, values_before
 
   def _critic_only_step(self, state: types.LearnerState, batch):
@@ -511,7 +512,7 @@ class Learner:
         old_logp, batch.behavior_logprobs_BxT, batch.action_mask_BxT,
         state.step - batch.versions_BxT, cfg.rollout.max_staleness)
     metrics.update({f'parity/{k}': v for k, v in parity.items()})
-    metrics['policy/nonfinite_skips'] = optimizers.nonfinite_count(actor_opt)
+    metrics.update(_skip_counts('policy', state.actor_opt, actor_opt))
     state = state._replace(policy=policy, actor_opt=actor_opt,
                            running_mean=running_mean, step=state.step + 1)
     return state, metrics
@@ -637,6 +638,16 @@ def _reduce_metrics(metrics_S, weights_S):
       out[name] = jnp.sum(jnp.where(has_tokens_S, values_S * weights_S,
                                     0.0)) / total
   return out
+
+
+def _skip_counts(role: str, opt_before, opt_after) -> dict:
+  """`<role>/nonfinite_skips`: the updates this step skipped (a non-finite
+  gradient or norm); `<role>/nonfinite_skips_total`: since the optimizer
+  state was made."""
+  total = optimizers.nonfinite_count(opt_after)
+  return {f'{role}/nonfinite_skips':
+              total - optimizers.nonfinite_count(opt_before),
+          f'{role}/nonfinite_skips_total': total}
 
 
 def _accumulate(loss_fn, params, data, microbatches: int, shardings):

@@ -4,8 +4,10 @@ AdamW after global-norm clipping, with a linear warm-up to a constant rate
 (SAO: 10-step warm-up, critic at 5x the actor's rate) or a cosine decay, the
 first moment in `mu_dtype` (bfloat16 halves it, as MaxText and big_vision
 offer), the whole chain inside `optax.apply_if_finite`: an update whose
-gradient holds a NaN or inf is skipped (parameters untouched) and counted,
-never applied.
+gradient holds a NaN or inf, or whose global norm overflows float32 (finite
+elements, as a reward of 1e30 gives: clipping would scale them by
+max_norm / inf = 0, a silent zero update), is skipped (parameters
+untouched) and counted, never applied.
 
 Schedules count policy steps (batches), not optimizer steps: every optimizer
 step of one batch (E x M for the actor, K x M_c for the critic) takes that
@@ -15,6 +17,7 @@ M = 1, and the first batch already trains (its rate is above 0).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -67,15 +70,31 @@ def make(cfg, total_batches: int,
   by_batch = schedule(cfg, total_batches)
   rate = (by_batch if steps_per_batch == 1 else
           lambda count: by_batch(count // steps_per_batch))
-  return optax.apply_if_finite(
+  return _skip_unless_norm_finite(optax.apply_if_finite(
       optax.chain(
           optax.clip_by_global_norm(cfg.grad_clip_norm),
           optax.adamw(rate, b1=cfg.b1, b2=cfg.b2,
                       mu_dtype=jnp.dtype(cfg.mu_dtype),
                       weight_decay=cfg.weight_decay)),
-      max_consecutive_errors=_MAX_NONFINITE)
+      max_consecutive_errors=_MAX_NONFINITE))
+
+
+def _skip_unless_norm_finite(
+    tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` (an `apply_if_finite`) that also skips, and counts, a gradient
+  whose global norm is not finite: its elements become NaN before
+  `apply_if_finite` looks at them. The state is `tx`'s own, so
+  checkpoints and `nonfinite_count` read it unchanged."""
+
+  def update(updates, state, params=None):
+    finite = jnp.isfinite(optax.tree.norm(updates))
+    updates = jax.tree.map(lambda g: jnp.where(finite, g, jnp.nan), updates)
+    return tx.update(updates, state, params)
+
+  return optax.GradientTransformation(tx.init, update)
 
 
 def nonfinite_count(opt_state) -> int:
-  """Updates skipped so far for a non-finite gradient."""
+  """Updates skipped so far (since the optimizer state was made) for a
+  non-finite gradient or gradient norm."""
   return opt_state.total_notfinite

@@ -56,6 +56,8 @@ _PANELS = (
 )
 
 _NCOLS = 3
+# Updates skipped for a non-finite gradient: a red line at each such step.
+_SKIP_ROLES = ('policy', 'critic')
 
 
 def plot_learning_curves(jsonl_path: str | os.PathLike[str],
@@ -94,8 +96,16 @@ def plot_learning_curves(jsonl_path: str | os.PathLike[str],
     fig = mpl_figure.Figure(figsize=(5.0 * ncols, 3.4 * nrows + 0.6),
                             layout='constrained')
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    skipped = skipped_steps(records)
     for ax, panel in zip(axes, panels):
       _draw(ax, panel, records)
+      for i, step in enumerate(skipped):
+        ax.axvline(step, color='tab:red', alpha=0.5, linewidth=0.8,
+                   linestyle='--',
+                   label='update skipped' if i == 0 and panel.keys == (
+                       REWARD,) else None)
+      if skipped and panel.keys == (REWARD,):
+        ax.legend(fontsize=8)
     for ax in axes[len(panels):]:
       ax.set_visible(False)
   else:
@@ -111,6 +121,24 @@ def plot_learning_curves(jsonl_path: str | os.PathLike[str],
     os.makedirs(directory, exist_ok=True)
   backend_agg.FigureCanvasAgg(fig).print_png(png_path)
   return png_path
+
+
+def skipped_steps(records) -> list[int]:
+  """Steps at which the policy or critic skipped an update (a non-finite
+  gradient or gradient norm).
+
+  From `<role>/nonfinite_skips` (per step) where the log has
+  `<role>/nonfinite_skips_total`; a log written before that held only the
+  running total, under the per-step name, and its increases are read.
+  """
+  steps = set()
+  for role in _SKIP_ROLES:
+    total_steps, _ = metrics_log.series(records, f'{role}/nonfinite_skips_total')
+    at, values = metrics_log.series(records, f'{role}/nonfinite_skips')
+    if not total_steps.size:  # the old running total
+      values = np.diff(values, prepend=0.0)
+    steps.update(int(t) for t, v in zip(at, values) if v > 0)
+  return sorted(steps)
 
 
 def moving_average(values: Sequence[float] | np.ndarray,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sao_jax import types
+from sao_jax.rollout import trajectory_checks
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int,
@@ -39,6 +40,14 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int,
     free[row] -= lengths[i]
     layout[row].append(i)
   return [sorted(r) for r in layout]
+
+
+# What `trajectory_checks.layout_reason`'s reasons mean, for its errors.
+_LAYOUT_MESSAGES = {
+    'too_long': 'more than max_length {}',
+    'no_action_tokens': 'no action token',
+    'starts_with_action': 'starts with an action token; it needs a prompt',
+}
 
 
 def assemble_batch(trajectories: Sequence[types.Trajectory],
@@ -75,19 +84,13 @@ def assemble_batch(trajectories: Sequence[types.Trajectory],
     raise ValueError(f'assemble_batch: packed_rows={packed_rows} must be in'
                      f' [0, {num}] (the number of trajectories)')
   for n, traj in enumerate(trajectories):
-    if traj.length > max_length:
+    # The queue's own rules (it rejects by them at `put`): what comes from
+    # the queue never fails here.
+    reason = trajectory_checks.layout_reason(traj, max_length)
+    if reason is not None:
       raise ValueError(f'assemble_batch: trajectory {n} (prompt'
-                       f' {traj.prompt_id!r}) has {traj.length} tokens, more'
-                       f' than max_length {max_length}')
-    if not np.any(traj.action_mask):
-      raise ValueError(f'assemble_batch: trajectory {n} (prompt'
-                       f' {traj.prompt_id!r}) has no action token')
-    if traj.action_mask[0]:
-      # Nothing predicts a first token: its log-prob and value would be
-      # another trajectory's output in a packed row (and 0 in its own).
-      raise ValueError(f'assemble_batch: trajectory {n} (prompt'
-                       f' {traj.prompt_id!r}) starts with an action token;'
-                       ' it needs a prompt')
+                       f' {traj.prompt_id!r}, {traj.length} tokens):'
+                       f' {_LAYOUT_MESSAGES[reason].format(max_length)}')
   widths = {t.routed_experts.shape[-1] for t in trajectories
             if t.routed_experts is not None}
   if len(widths) > 1:

@@ -31,9 +31,13 @@ REJECT_REASONS = (
     'too_long',  # longer than max_length
     'token_out_of_range',  # a token id outside [0, vocab_size)
     'no_action_tokens',  # nothing to train on (and no token for the reward)
+    # Its first token is an action: nothing predicts it (no prompt token).
+    'starts_with_action',
     'missing_version',  # an action token with version NO_VERSION (or < 0)
     'future_version',  # an action version newer than any that exists yet
-    'bad_logprobs',  # an action log-prob non-finite or > tolerance
+    # An action log-prob non-finite (in float32, as batches hold it), above
+    # the tolerance, or below LOGPROB_FLOOR.
+    'bad_logprobs',
     'non_finite_reward',  # NaN, inf or not a number
     # Not representable as a finite float32 (batches hold rewards as float32,
     # where 1e39 is inf and skips the whole update), or beyond max_abs_reward.
@@ -52,6 +56,26 @@ REJECT_REASONS = (
 
 # The largest finite float32: batches hold rewards as float32.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# No sampled token has a log-prob this low (a probability of e^-10000); one
+# that claims it is corrupt, and far enough below it float32 has only -inf.
+LOGPROB_FLOOR = -1e4
+
+
+def layout_reason(traj: types.Trajectory, max_length: int) -> str | None:
+  """The rules a batch row imposes on a well-formed trajectory (one of
+  `REJECT_REASONS`, or None): the queue rejects by them at `put`, and
+  `batching.assemble_batch` refuses by the same rules, so that a batch
+  built from the queue's trajectories never fails."""
+  mask = np.asarray(traj.action_mask, bool)
+  if len(traj.tokens) > max_length:
+    return 'too_long'
+  if not mask.any():
+    return 'no_action_tokens'
+  if mask[0]:
+    # Nothing predicts a first token: its log-prob and value would be
+    # another trajectory's output in a packed row (and 0 in its own).
+    return 'starts_with_action'
+  return None
 
 
 def rejection_reason(traj, *, vocab_size: int, max_length: int,
@@ -122,20 +146,21 @@ def _reason(traj, vocab_size, max_length, newest_version, logprob_tolerance,
     return 'malformed'
   if len({a.shape[0] for a in arrays}) != 1:
     return 'inconsistent_lengths'
-  if tokens.shape[0] > max_length:
-    return 'too_long'
   if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
     return 'token_out_of_range'
-  if not mask.any():
-    return 'no_action_tokens'
+  reason = layout_reason(traj, max_length)
+  if reason is not None:
+    return reason
   action_versions = versions[mask]
   if np.any(action_versions < 0):
     return 'missing_version'
   if action_versions.max() > newest_version:
     return 'future_version'
-  action_logprobs = logprobs[mask]
+  with np.errstate(over='ignore', invalid='ignore'):
+    action_logprobs = logprobs[mask].astype(np.float32)
   if (not np.all(np.isfinite(action_logprobs)) or
-      np.any(action_logprobs > logprob_tolerance)):
+      np.any(action_logprobs > logprob_tolerance) or
+      np.any(action_logprobs < LOGPROB_FLOOR)):
     return 'bad_logprobs'
   if _routing_reason(traj.routed_experts, tokens.shape[0], routing):
     return 'bad_routing_record'

@@ -390,6 +390,15 @@ def _bad(kind):
     return 'non_finite_reward', fake_traj([2], reward='1.0')
   if kind == 'not_a_trajectory':
     return 'malformed', {'tokens': [1, 2]}
+  if kind == 'all_action_tokens':  # no prompt token predicts the first
+    return 'starts_with_action', fake_traj([2, 2], prompt_len=0)
+  if kind == 'float64_logprob_beyond_float32':  # -inf once in a batch
+    good.behavior_logprobs = good.behavior_logprobs.astype(np.float64)
+    good.behavior_logprobs[3] = -1e39
+    return 'bad_logprobs', good
+  if kind == 'logprob_below_floor':
+    good.behavior_logprobs[3] = -2e4
+    return 'bad_logprobs', good
   raise ValueError(kind)
 
 
@@ -397,7 +406,9 @@ def _bad(kind):
     'nan_reward', 'inf_reward', 'no_action', 'token_too_big',
     'token_negative', 'too_long', 'future_version', 'inconsistent_lengths',
     'nan_logprob', 'positive_logprob', 'action_without_version',
-    'float_tokens', 'int_mask', 'string_reward', 'not_a_trajectory'])
+    'float_tokens', 'int_mask', 'string_reward', 'not_a_trajectory',
+    'all_action_tokens', 'float64_logprob_beyond_float32',
+    'logprob_below_floor'])
 def test_malformed_trajectory_is_rejected_counted_and_queue_goes_on(kind):
   reason, bad = _bad(kind)
 
@@ -989,6 +1000,21 @@ def test_assemble_batch_refuses_rows_it_cannot_hold():
   with pytest.raises(ValueError, match=r'packed_rows=2 must be in \[0, 1\]'):
     batching.assemble_batch([fake_traj([0])], max_length=8, pad_id=0,
                             packed_rows=2)
+
+
+@pytest.mark.parametrize('kind', ['too_long', 'no_action',
+                                  'all_action_tokens'])
+def test_every_rule_assemble_batch_enforces_is_a_rejection_reason(kind):
+  """assemble_batch refuses a trajectory only by the queue's own rules
+  (`trajectory_checks.layout_reason`), so a batch of what the queue accepted
+  never fails in the trainer."""
+  reason, bad = _bad(kind)
+  assert trajectory_checks.rejection_reason(
+      bad, vocab_size=VOCAB, max_length=MAX_LEN, newest_version=2) == reason
+  with pytest.raises(ValueError, match='assemble_batch: trajectory 0'):
+    batching.assemble_batch([bad], max_length=MAX_LEN, pad_id=0)
+  assert batching._LAYOUT_MESSAGES.keys() == {  # pylint: disable=protected-access
+      _bad(k)[0] for k in ('too_long', 'no_action', 'all_action_tokens')}
 
 
 def test_assemble_batch_lays_routing_records_out_with_their_tokens():
