@@ -136,6 +136,16 @@ def assert_same_parameters(one, many, parts=('policy', 'critic')):
         rtol=1e-5, atol=1e-6, custom_message=part)
 
 
+def assert_same_steps(one, many, rtol, extra=()):
+  """Two steps of each learner: the same losses, norms and parameters."""
+  m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
+  for a, b in zip(m_one, m_many):
+    for key in ('policy/loss', 'critic/loss', 'policy/grad_norm') + extra:
+      np.testing.assert_allclose(b[key], a[key], rtol=rtol, atol=1e-6,
+                                 err_msg=key)
+  assert_same_parameters(one, many)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('mesh', [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
 def test_sharded_step_equals_one_device(mesh, one_device):
@@ -146,12 +156,7 @@ def test_sharded_step_equals_one_device(mesh, one_device):
   spec = str(many.state.policy['decoder']['blocks']['attn']['q_proj'][
       ...].sharding.spec)
   assert ('tensor' in spec) == (tensor > 1) and ('fsdp' in spec) == (fsdp > 1)
-  m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
-  for a, b in zip(m_one, m_many):
-    for key in ('policy/loss', 'critic/loss', 'policy/grad_norm'):
-      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6,
-                                 err_msg=key)
-  assert_same_parameters(one, many)
+  assert_same_steps(one, many, rtol=2e-5)
 
 
 @pytest.mark.slow
@@ -167,12 +172,7 @@ def test_expert_parallel_step_equals_one_device():
   mlp = many.state.policy['decoder']['blocks']['mlp']
   assert str(mlp['gate_proj'][...].sharding.spec).count('expert') == 1
   assert 'gate_proj' in many.state.critic['decoder']['blocks']['mlp']
-  m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
-  for a, b in zip(m_one, m_many):
-    for key in ('policy/loss', 'critic/loss', 'policy/grad_norm'):
-      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6,
-                                 err_msg=key)
-  assert_same_parameters(one, many)
+  assert_same_steps(one, many, rtol=1e-5)
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])
@@ -184,13 +184,7 @@ def test_a_sequence_split_step_equals_one_device(implementation, one_device):
       'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.sequence': 4, 'mesh.tensor': 1,
       'kernels.implementation': implementation}), jax.devices()[:8])
   assert tuple(many.batch_sharding.spec) == (sharding.BATCH_AXES, 'sequence')
-  m_one, m_many = run(one, [0, 1]), run(many, [0, 1])
-  for a, b in zip(m_one, m_many):
-    for key in ('policy/loss', 'critic/loss', 'policy/grad_norm',
-                'advantage/abs_mean'):
-      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6,
-                                 err_msg=key)
-  assert_same_parameters(one, many)
+  assert_same_steps(one, many, rtol=2e-5, extra=('advantage/abs_mean',))
 
 
 def test_microbatches_accumulate_to_the_full_batch(one_device):

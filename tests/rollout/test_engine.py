@@ -50,8 +50,9 @@ def drive(engine, scenario):
     loop.close()
 
 
-def run_requests(engine, prompts, max_tokens):
-  """(tokens, logprobs, versions) of each prompt's completion."""
+def run_requests(engine, prompts, max_tokens, with_records=False):
+  """(tokens, logprobs, versions) of each prompt's completion, and with
+  `with_records` its routing records `[tokens, R]` (an MoE engine's)."""
 
   async def one(llm, prompt):
     request = pb.DecodeRequest(
@@ -61,9 +62,12 @@ def run_requests(engine, prompts, max_tokens):
     async for response in llm.Decode(request):
       for sample in response.stream_content.samples:
         if sample.token_ids:
-          steps.append(wire.decode_step(sample.token_ids))
-    return ([t for s in steps for t in s[0]], [l for s in steps for l in s[1]],
-            [v for s in steps for v in s[2]])
+          steps.append(wire.decode_step(sample.token_ids, engine.routing))
+    out = ([t for s in steps for t in s[0]], [l for s in steps for l in s[1]],
+           [v for s in steps for v in s[2]])
+    if with_records:
+      out += (np.concatenate([s[3] for s in steps]),)
+    return out
 
   async def scenario(llm):
     return await asyncio.gather(*(one(llm, p) for p in prompts))

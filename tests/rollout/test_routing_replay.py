@@ -12,12 +12,10 @@ from sao_jax.models import sampling
 from sao_jax.rl import algorithms
 from sao_jax.rollout import batching
 from sao_jax.rollout import engine as engine_lib
-from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import wire
 
 import test_engine  # pylint: disable=wrong-import-order
 
-pb = jetstream_compat.jetstream_pb2
 PARAMS = sampling.SamplingParams(temperature=1.0)
 
 
@@ -36,8 +34,8 @@ def test_records_pack_and_unpack(num_experts):
 
 
 def generate(dtype, prompts, max_tokens=24):
-  """`(model, [(prompt, tokens, logprobs, versions, records)])` of a tiny
-  MoE engine at version 0 on JetStream's orchestrator."""
+  """`[(prompt, tokens, logprobs, versions, records)]` of a tiny MoE engine
+  at version 0 on JetStream's orchestrator."""
   model, tok = pretrained.from_pretrained(pretrained.TINY_RANDOM_MOE,
                                           dtype=dtype, param_dtype=dtype)
   engine = engine_lib.Engine(model, tok, engine_lib.EngineConfig(
@@ -45,24 +43,9 @@ def generate(dtype, prompts, max_tokens=24):
       stop_ids=tuple(tok.stop_ids), sampling=PARAMS), version=0)
   assert engine.routing.ids_per_token == 2 * 2  # layers x experts per token
 
-  async def one(llm, prompt):
-    request = pb.DecodeRequest(
-        token_content=pb.DecodeRequest.TokenContent(token_ids=prompt),
-        max_tokens=max_tokens)
-    steps = []
-    async for response in llm.Decode(request):
-      for sample in response.stream_content.samples:
-        if sample.token_ids:
-          steps.append(wire.decode_step(sample.token_ids, engine.routing))
-    return (prompt, sum((s[0] for s in steps), []),
-            sum((s[1] for s in steps), []), sum((s[2] for s in steps), []),
-            np.concatenate([s[3] for s in steps]))
-
-  async def scenario(llm):
-    import asyncio  # pylint: disable=g-import-not-at-top
-    return await asyncio.gather(*(one(llm, p) for p in prompts))
-
-  return test_engine.drive(engine, scenario)
+  results = test_engine.run_requests(engine, prompts, max_tokens,
+                                     with_records=True)
+  return [(prompt,) + result for prompt, result in zip(prompts, results)]
 
 
 def prompts(count=6):
