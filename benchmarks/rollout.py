@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from sao_jax.models import tiny
+from sao_jax.models import pretrained
 from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import launch
 from sao_jax.rollout import weight_sync
@@ -79,7 +79,8 @@ def main():
   workdir = tempfile.mkdtemp(prefix='sao_rollout_bench_')
   source = args.model
   if args.quick:
-    source = tiny.save(os.path.join(workdir, 'tiny'), with_stop=False)
+    source = pretrained.save_tiny(os.path.join(workdir, 'tiny'),
+                                  with_stop=False)
     args.requests, args.max_tokens, args.repeats, args.swaps = 8, 16, 1, 1
   model, tok = sao_jax.models.from_pretrained(source)
   questions = [f'What is {a} + {b}? Answer with a number.'

@@ -354,7 +354,7 @@ def main():
            '1b': (None, 'float32', 'bfloat16')}
   names = args.models.split(',')
   if args.quick:
-    cases = {'tiny': (tiny.save(os.path.join(workdir, 'tiny'),
+    cases = {'tiny': (pretrained.save_tiny(os.path.join(workdir, 'tiny'),
                                 with_stop=False), 'float32', 'float32')}
     names, args.repeats, args.warmup_s = ['tiny'], 1, 5.0
   sink, sink_ports = start_sink(workdir)

@@ -51,7 +51,7 @@ os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
-from sao_jax.models import tiny  # pylint: disable=g-import-not-at-top
+from sao_jax.models import pretrained  # pylint: disable=g-import-not-at-top
 
 # XLA:CPU sizes its worker pools by max(cores, devices) (NPROC, when set,
 # stands for the core count): eight threads for the eight fake devices on
@@ -93,11 +93,11 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope='session')
 def tiny_checkpoint(tmp_path_factory):
   """Path of a tiny random Llama checkpoint directory (HF layout)."""
-  return tiny.save(str(tmp_path_factory.mktemp('tiny_llama')))
+  return pretrained.save_tiny(str(tmp_path_factory.mktemp('tiny_llama')))
 
 
 @pytest.fixture(scope='session')
 def tiny_checkpoint_no_eos(tmp_path_factory):
   """Like `tiny_checkpoint`, but generations always run to max_tokens."""
-  return tiny.save(str(tmp_path_factory.mktemp('tiny_llama_no_eos')),
-                   with_stop=False)
+  return pretrained.save_tiny(
+      str(tmp_path_factory.mktemp('tiny_llama_no_eos')), with_stop=False)

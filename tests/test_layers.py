@@ -12,6 +12,8 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = _REPO / 'sao_jax'
 _ARCHITECTURE = _REPO / 'docs' / 'architecture.md'
@@ -143,3 +145,65 @@ def test_no_module_imports_a_higher_layer():
       + '\n'.join(violations))
   gone = sorted(_PENDING - pending_seen)
   assert not gone, f'no longer violations; remove them from _PENDING: {gone}'
+
+
+def _folder(path):
+  return path.rpartition('/')[0]
+
+
+def _layered_imports():
+  """[(path, line, importer layer, imported path, imported layer)]."""
+  layers = _layers()
+  modules = _modules()
+  layer = {n: _layer_of(p, layers)[0][0] for n, p in modules.items()
+           if len(_layer_of(p, layers)) == 1}
+  return [(path, line, layer[name], modules[imported], layer[imported])
+          for name, path in modules.items() if name in layer
+          for line, imported in _imports(name, path, modules)
+          if imported in layer]
+
+
+def test_no_folder_imports_a_folder_with_a_higher_layer():
+  """Folder A imports folder B only if A's lowest module is at or above
+  B's highest: the folders stack as the modules do (the base folder
+  `sao_jax/` itself excepted: it holds the base and the top layers)."""
+  levels = {}
+  for path, _, level, imported_path, imported_level in _layered_imports():
+    for p, lv in ((path, level), (imported_path, imported_level)):
+      low, high = levels.get(_folder(p), (lv, lv))
+      levels[_folder(p)] = (min(low, lv), max(high, lv))
+  arrows = set()
+  for path, line, _, imported_path, _ in _layered_imports():
+    a, b = _folder(path), _folder(imported_path)
+    if a != b and 'sao_jax' not in (a, b):
+      arrows.add((a, b, f'{path}:{line}'))
+  upward = sorted(f'{where}: {a}/ (lowest layer {levels[a][0]}) imports {b}/'
+                  f' (highest layer {levels[b][1]})'
+                  for a, b, where in arrows if levels[b][1] > levels[a][0])
+  assert not upward, 'folder-level arrows that go up:\n' + '\n'.join(upward)
+
+
+@pytest.mark.parametrize('folder', ['sao_jax/rollout', 'sao_jax/models'])
+def test_no_import_circle_inside(folder):
+  graph = {}
+  for path, _, _, imported_path, _ in _layered_imports():
+    if _folder(path) == folder and _folder(imported_path) == folder:
+      graph.setdefault(path, set()).add(imported_path)
+  state = {}
+
+  def visit(node, trail):
+    state[node] = 'open'
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 'open':
+        return trail[trail.index(nxt):] + [nxt]
+      if nxt not in state:
+        found = visit(nxt, trail + [nxt])
+        if found:
+          return found
+    state[node] = 'done'
+    return None
+
+  for start in sorted(graph):
+    if start not in state:
+      circle = visit(start, [start])
+      assert circle is None, 'import circle: ' + ' -> '.join(circle)

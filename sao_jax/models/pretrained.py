@@ -168,3 +168,10 @@ def export_pretrained(model: transformer.CausalLM,
   with open(os.path.join(directory, 'generation_config.json'), 'w') as f:
     json.dump(generation, f, indent=2)
   tok.save(directory)
+
+
+def save_tiny(directory: str, **kwargs) -> str:
+  """Writes `tiny.make(**kwargs)` as a Hugging Face checkpoint directory."""
+  model, tok = tiny.make(**kwargs)
+  export_pretrained(model, tok, directory)
+  return directory

@@ -14,7 +14,6 @@ from __future__ import annotations
 import tokenizers
 
 from sao_jax.models import model_config
-from sao_jax.models import pretrained
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 
@@ -57,9 +56,3 @@ def make(seed: int = 0, with_stop: bool = True, vocab: int = VOCAB,
       **moe)
   return transformer.init_causal_lm(cfg, seed=seed), tok
 
-
-def save(directory: str, **kwargs) -> str:
-  """Writes `make(**kwargs)` as a Hugging Face checkpoint directory."""
-  model, tok = make(**kwargs)
-  pretrained.export_pretrained(model, tok, directory)
-  return directory

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from sao_jax import array_checks
 from sao_jax.kernels.gae import reference as gae_reference
-from sao_jax.rl import tokens
+from sao_jax import masked_tokens
 
 _F32 = jnp.float32
 
@@ -53,7 +53,7 @@ def response_mask(input_mask, action_mask, segment_ids=None):
   actions_BxT = jnp.asarray(action_mask).astype(jnp.int32)
   seen_BxT = jnp.cumsum(actions_BxT, axis=1)  # actions at or before t
   if segment_ids is not None:
-    local_BxT = tokens.row_segments(where, segment_ids, actions_BxT)
+    local_BxT = masked_tokens.row_segments(where, segment_ids, actions_BxT)
     starts_BxT = local_BxT != jnp.pad(local_BxT[:, :-1], ((0, 0), (1, 0)))
     # The row's actions before t's segment began (the count is
     # non-decreasing, so the latest start's count is the running max).

@@ -39,7 +39,7 @@ from sao_jax.models import moe
 from sao_jax.models import sampling
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
-from sao_jax.rl import tokens
+from sao_jax import masked_tokens
 
 _F32 = jnp.float32
 
@@ -433,7 +433,7 @@ def microbatch_weight(mask_BxT, segment_ids_BxT, totals, aggregation):
   """
   if aggregation == 'token_mean':
     return jnp.sum(mask_BxT) / jnp.maximum(totals['tokens'], 1)
-  segments = tokens.num_segments(mask_BxT, segment_ids_BxT)
+  segments = masked_tokens.num_segments(mask_BxT, segment_ids_BxT)
   return segments / jnp.maximum(totals['segments'], 1)
 
 
@@ -441,7 +441,7 @@ def batch_totals(mask_BxT, segment_ids_BxT):
   """Tokens and non-empty trajectories of a full batch's loss mask (for
   weights)."""
   return {'tokens': jnp.sum(mask_BxT).astype(_F32),
-          'segments': tokens.num_segments(mask_BxT,
+          'segments': masked_tokens.num_segments(mask_BxT,
                                           segment_ids_BxT).astype(_F32)}
 
 

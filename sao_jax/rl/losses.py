@@ -5,7 +5,7 @@ that carry loss). Positions with `mask == 0` are sanitised before any arithmetic
 so garbage (even NaN) at padding never reaches the loss or its gradient.
 
 The DIS loss is defined next to its Pallas kernel
-(`sao_jax.kernels.dis_loss.reference`) and aggregation in `sao_jax.rl.tokens`;
+(`sao_jax.kernels.dis_loss.reference`) and aggregation in `sao_jax.masked_tokens`;
 both are re-exported here, so `losses.dis_policy_loss` is the definition.
 To run DIS through the configured kernel (Pallas on TPU), call
 `sao_jax.kernels.dis_loss.api.dis_policy_loss` instead.
@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.kernels.dis_loss import reference as dis_reference
-from sao_jax.rl import tokens
+from sao_jax import masked_tokens
 
 _F32 = jnp.float32
 
-AGGREGATIONS = tokens.AGGREGATIONS
-aggregate = tokens.aggregate
-check_token_inputs = tokens.check_token_inputs
+AGGREGATIONS = masked_tokens.AGGREGATIONS
+aggregate = masked_tokens.aggregate
+check_token_inputs = masked_tokens.check_token_inputs
 dis_policy_loss = dis_reference.dis_policy_loss
 
 
@@ -76,10 +76,10 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   where = 'ppo_policy_loss'
   if dual_clip is not None and dual_clip <= 1.0:
     raise ValueError(f'{where}: dual_clip must be > 1 or None, got {dual_clip}')
-  tokens.check_token_inputs(where, mask, logp=logp, old_logp=old_logp,
+  masked_tokens.check_token_inputs(where, mask, logp=logp, old_logp=old_logp,
                             advantages=advantages)
   mask, nonfinite = finite_mask(mask, logp, old_logp)
-  mask_BxT, (logp_BxT, old_BxT, adv_BxT) = tokens.token_inputs(
+  mask_BxT, (logp_BxT, old_BxT, adv_BxT) = masked_tokens.token_inputs(
       where, mask, logp=logp, old_logp=old_logp, advantages=advantages)
   old_BxT, adv_BxT = jax.lax.stop_gradient((old_BxT, adv_BxT))
   log_ratio_BxT = logp_BxT - old_BxT
@@ -95,14 +95,14 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
   else:
     dual_active_BxT = jnp.zeros_like(mask_BxT)
   if token_weights is not None:
-    _, (weights_BxT,) = tokens.token_inputs(where, mask,
+    _, (weights_BxT,) = masked_tokens.token_inputs(where, mask,
                                             token_weights=token_weights)
     # `where`: a zero weight must silence an overflowed term, not make NaN.
     loss_BxT = jnp.where(weights_BxT != 0,
                          jax.lax.stop_gradient(weights_BxT) * loss_BxT, 0.0)
-  loss = tokens.aggregate(loss_BxT, mask_BxT, aggregation, segment_ids)
+  loss = masked_tokens.aggregate(loss_BxT, mask_BxT, aggregation, segment_ids)
 
-  metrics = tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
+  metrics = masked_tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
   count = jnp.maximum(metrics['num_tokens'], 1.0)
   metrics['clip_frac'] = jnp.sum(clip_active_BxT) / count
   metrics['dual_clip_frac'] = jnp.sum(dual_active_BxT) / count
@@ -153,10 +153,10 @@ def truncated_behavior_weights(prox_logp, behavior_logp, mask, cap):
     "Your efficient RL framework secretly brings you off-policy RL training"
     (truncated importance sampling), 2025.
   """
-  tokens.check_token_inputs('truncated_behavior_weights', mask,
+  masked_tokens.check_token_inputs('truncated_behavior_weights', mask,
                             prox_logp=prox_logp, behavior_logp=behavior_logp)
   mask, _ = finite_mask(mask, prox_logp, behavior_logp)
-  mask_BxT, (prox_BxT, mu_BxT) = tokens.token_inputs(
+  mask_BxT, (prox_BxT, mu_BxT) = masked_tokens.token_inputs(
       'truncated_behavior_weights', mask, prox_logp=prox_logp,
       behavior_logp=behavior_logp)
   weights_BxT = jnp.minimum(jnp.exp(prox_BxT - mu_BxT), cap)
@@ -201,9 +201,9 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
     Schulman, "Approximating KL divergence", 2020.
   """
   where = 'reference_kl'
-  tokens.check_token_inputs(where, mask, logp=logp, ref_logp=ref_logp)
+  masked_tokens.check_token_inputs(where, mask, logp=logp, ref_logp=ref_logp)
   mask, _ = finite_mask(mask, logp, ref_logp)
-  mask_BxT, (logp_BxT, ref_BxT) = tokens.token_inputs(
+  mask_BxT, (logp_BxT, ref_BxT) = masked_tokens.token_inputs(
       where, mask, logp=logp, ref_logp=ref_logp)
   log_r_BxT = jax.lax.stop_gradient(ref_BxT) - logp_BxT
   if estimator == 'k1':
@@ -215,7 +215,7 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
   else:
     raise ValueError(f'{where}: unknown estimator {estimator!r}; expected one'
                      f' of {KL_ESTIMATORS}')
-  return tokens.aggregate(kl_BxT, mask_BxT, aggregation, segment_ids)
+  return masked_tokens.aggregate(kl_BxT, mask_BxT, aggregation, segment_ids)
 
 
 def value_loss(values, returns, mask, old_values=None, clip_eps=None,
@@ -245,7 +245,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
     if old_values is None:
       raise ValueError(f'{where}: clip_eps={clip_eps} needs old_values')
     inputs['old_values'] = old_values
-  mask_BxT, arrays = tokens.token_inputs(where, mask, **inputs)
+  mask_BxT, arrays = masked_tokens.token_inputs(where, mask, **inputs)
   values_BxT = arrays[0]
   returns_BxT = jax.lax.stop_gradient(arrays[1])
   sq_err_BxT = (values_BxT - returns_BxT) ** 2
@@ -257,7 +257,7 @@ def value_loss(values, returns, mask, old_values=None, clip_eps=None,
     sq_err_BxT = jnp.maximum(sq_err_BxT, sq_clip_BxT)
   else:
     clip_active_BxT = jnp.zeros_like(mask_BxT)
-  loss = tokens.aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation,
+  loss = masked_tokens.aggregate(0.5 * sq_err_BxT, mask_BxT, aggregation,
                           segment_ids)
 
   num_tokens = jnp.sum(mask_BxT).astype(_F32)
@@ -289,7 +289,7 @@ def explained_variance(values, returns, mask):
   Returns:
     float32 scalar.
   """
-  mask_BxT, (values_BxT, returns_BxT) = tokens.token_inputs(
+  mask_BxT, (values_BxT, returns_BxT) = masked_tokens.token_inputs(
       'explained_variance', mask, values=values, returns=returns)
   var_returns = _masked_variance(returns_BxT, mask_BxT)
   ev = 1.0 - _masked_variance(returns_BxT - values_BxT, mask_BxT) / var_returns
@@ -303,7 +303,7 @@ def r_squared(values, returns, mask):
   a critic that has not yet learned the mean return scores below 0 here, and
   the two agree once it is unbiased. NaN when the returns have no variance.
   """
-  mask_BxT, (values_BxT, returns_BxT) = tokens.token_inputs(
+  mask_BxT, (values_BxT, returns_BxT) = masked_tokens.token_inputs(
       'r_squared', mask, values=values, returns=returns)
   var_returns = _masked_variance(returns_BxT, mask_BxT)
   # The inputs are 0 off the mask, so the plain sum is the masked one.

@@ -38,8 +38,9 @@ from sao_jax import types
 from sao_jax.rollout import queue_books
 from sao_jax.rollout import trajectory_checks
 
-# Lease and RolloutQueue are one unit split in two for the worker's API: the
-# queue keeps the lease's slot counts.
+# Lease and RolloutQueue are one unit split in two for the worker's API; a
+# lease's slot counts are a `queue_books.LeaseSlots` that only the books
+# change.
 # pylint: disable=protected-access
 
 # How often a thread waiting on the loop checks that the loop still runs.
@@ -70,14 +71,12 @@ class Lease:
     self.size = size
     self.deadline = deadline
     self.group_id = group_id
-    self._open = size  # slots neither put nor cancelled
-    self._pending = 0  # slots inside a `put` (validating or blocked)
-    self._groups: set[Any] = set()  # groups it delivered members of
+    self._slots = queue_books.LeaseSlots(group_id, deadline, open=size)
 
   @property
   def remaining(self) -> int:
     """Slots not yet put or cancelled."""
-    return self._open
+    return self._slots.open
 
   async def put(self, traj: types.Trajectory) -> bool:
     """Hands one finished trajectory to the queue (one slot).
@@ -103,7 +102,7 @@ class Lease:
     Returns:
       The number of slots cancelled.
     """
-    return self._queue._books.cancel(self, count)
+    return self._queue._books.cancel(self._slots, count)
 
   def __enter__(self) -> Lease:
     return self
@@ -263,15 +262,15 @@ class RolloutQueue:
     """Validates, waits for room, queues; see `Lease.put`."""
     self._bind()
     books = self._books
-    if lease._open < 1:
+    slots = lease._slots
+    if slots.open < 1:
       raise RuntimeError('Lease.put: no open slot left (every slot was put or'
                          ' cancelled)')
     self._raise_if_closed()
     # Claim the slot now, so that concurrent puts cannot overdraw the lease;
     # give it back if we leave without resolving it (closed, cancelled task),
     # so that the lease's exit cancels it and in-flight stays exact.
-    lease._open -= 1
-    lease._pending += 1
+    books.claim(slots)
     resolved = False
     try:
       reason = trajectory_checks.rejection_reason(
@@ -282,11 +281,10 @@ class RolloutQueue:
           required_info=self.required_info, routing=self.routing)
       group = queue_books.group_key(traj) if self.group_size > 1 else None
       if reason is None and self.group_size > 1:
-        reason = books.group_reason(lease, group)
+        reason = books.group_reason(slots, group)
       if reason is not None:
         resolved = True
-        lease._pending -= 1
-        books.reject(lease, traj, reason, group)
+        books.reject(slots, traj, reason, group)
         return False
       start = time.monotonic()
       while books.put_must_wait(group):
@@ -299,12 +297,10 @@ class RolloutQueue:
       self._raise_if_closed()
       books.counters['put_wait_seconds'] += time.monotonic() - start
       resolved = True
-      lease._pending -= 1
-      return books.accept(lease, traj, group)
+      return books.accept(slots, traj, group)
     finally:
       if not resolved:
-        lease._pending -= 1
-        lease._open += 1
+        books.unclaim(slots)
 
   # ---------------------------------------------------------------- learner
 

@@ -17,15 +17,33 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sao_jax import types
 from sao_jax.rollout import trajectory_checks
 
-if TYPE_CHECKING:
-  from sao_jax.rollout import queue as queue_lib
 
-# The books include each `queue.Lease`'s slot counts.
+
+
+@dataclasses.dataclass
+class LeaseSlots:
+  """One lease's slots, changed by `Books` only (`queue.Lease` holds one).
+
+  Attributes:
+    group_id: the GRPO group it was admitted for, or None.
+    deadline: the learner version by which its rollouts must be done.
+    open: slots neither put nor cancelled.
+    pending: slots inside a `put` (validating or blocked).
+    groups: groups it delivered members of.
+  """
+  group_id: str | None
+  deadline: int
+  open: int
+  pending: int = 0
+  groups: set[Any] = dataclasses.field(default_factory=set)
+
+
+# The books include each lease's `LeaseSlots`.
 # pylint: disable=protected-access
 
 # The queue's logger: these records are the queue's, whichever module keeps
@@ -134,12 +152,12 @@ class Books:
     """The newest policy version a token may carry."""
     return max(self.rollout_version, self.learner_version)
 
-  def cancel(self, lease: queue_lib.Lease, count: int | None) -> int:
+  def cancel(self, lease: LeaseSlots, count: int | None) -> int:
     """Gives back open slots of `lease`; see `Lease.cancel`."""
-    count = lease._open if count is None else min(int(count), lease._open)
+    count = lease.open if count is None else min(int(count), lease.open)
     if count <= 0:
       return 0
-    lease._open -= count
+    lease.open -= count
     self.counters['cancelled'] += count
     self._release_slots(lease, count)
     if self.group_size > 1 and lease.group_id is not None:
@@ -165,7 +183,20 @@ class Books:
     """
     return self.learner_version + self._batches_since_version
 
-  def group_reason(self, lease: queue_lib.Lease, group) -> str | None:
+  def claim(self, lease: LeaseSlots) -> None:
+    """A `put` takes one open slot (before it validates or waits), so that
+    concurrent puts cannot overdraw the lease (the caller checked that one
+    is open)."""
+    lease.open -= 1
+    lease.pending += 1
+
+  def unclaim(self, lease: LeaseSlots) -> None:
+    """A `put` left without resolving its slot (queue closed, task
+    cancelled): the slot is open again, for the lease's exit to cancel."""
+    lease.pending -= 1
+    lease.open += 1
+
+  def group_reason(self, lease: LeaseSlots, group) -> str | None:
     if group is None:
       return 'missing_group_id'
     if group is _BAD_GROUP:  # `rejection_reason` rejects these first
@@ -176,7 +207,9 @@ class Books:
       return 'group_overflow'
     return None
 
-  def reject(self, lease: queue_lib.Lease, traj, reason: str, group) -> None:
+  def reject(self, lease: LeaseSlots, traj, reason: str, group) -> None:
+    """A claimed slot's trajectory is rejected for `reason`."""
+    lease.pending -= 1
     self.counters['put'] += 1
     self.counters['rejected'] += 1
     self._rejected[reason] += 1
@@ -197,8 +230,11 @@ class Books:
     self._lease_progress(lease)
     self._notify()
 
-  def accept(self, lease: queue_lib.Lease, traj: types.Trajectory,
+  def accept(self, lease: LeaseSlots, traj: types.Trajectory,
               group) -> bool:
+    """A claimed slot's trajectory is queued (or dropped with its failed
+    group: False)."""
+    lease.pending -= 1
     self.counters['put'] += 1
     self.counters['accepted'] += 1
     self._release_slots(lease, 1)
@@ -215,7 +251,7 @@ class Books:
       self.counters['dropped_incomplete_group'] += 1
       kept = False
     else:
-      lease._groups.add(group)
+      lease.groups.add(group)
       self._enqueue(item)
       members = self._partial.setdefault(group, [])
       members.append(item)
@@ -238,7 +274,7 @@ class Books:
     self.queued -= 1
     self._discard_deadline(item.deadline, 1)
 
-  def _release_slots(self, lease: queue_lib.Lease, count: int) -> None:
+  def _release_slots(self, lease: LeaseSlots, count: int) -> None:
     self.in_flight -= count
     self._discard_deadline(lease.deadline, count)
 
@@ -247,12 +283,12 @@ class Books:
     if self._deadlines[deadline] <= 0:
       del self._deadlines[deadline]
 
-  def _lease_progress(self, lease: queue_lib.Lease) -> None:
+  def _lease_progress(self, lease: LeaseSlots) -> None:
     """Once every slot of a lease is resolved, a group it left incomplete
     can never complete: drop it rather than keep it queued forever."""
-    if self.group_size == 1 or lease._open or lease._pending:
+    if self.group_size == 1 or lease.open or lease.pending:
       return
-    groups = set(lease._groups)
+    groups = set(lease.groups)
     if lease.group_id is not None:
       groups.add(lease.group_id)
     for group in groups:

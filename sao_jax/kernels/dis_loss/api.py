@@ -22,7 +22,7 @@ from sao_jax import sharding
 from sao_jax.kernels import dispatch
 from sao_jax.kernels.dis_loss import pallas_tpu
 from sao_jax.kernels.dis_loss import reference
-from sao_jax.rl import tokens
+from sao_jax import masked_tokens
 
 _F32 = jnp.float32
 P = jax.sharding.PartitionSpec
@@ -56,9 +56,9 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
     return reference.dis_policy_loss(logp, behavior_logp, advantages, mask,
                                      eps_low, eps_high, aggregation,
                                      segment_ids)
-  if aggregation not in tokens.AGGREGATIONS:
+  if aggregation not in masked_tokens.AGGREGATIONS:
     raise ValueError(f'dis_policy_loss: unknown aggregation {aggregation!r};'
-                     f' expected one of {tokens.AGGREGATIONS}')
+                     f' expected one of {masked_tokens.AGGREGATIONS}')
   interpret = interpret_off_tpu if interpret is None else interpret
   if aggregation == 'seq_mean_token_mean':
     # The sequence mean as a weighted token sum (`pallas_tpu`'s docstring):
@@ -66,7 +66,7 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
     # the per-shard sums below simply add up. Weighted in float32: bf16
     # would round each weight to 3 digits (the kernel then reads its inputs
     # in float32, as the reference computes).
-    weights_BxT = tokens.segment_token_weights(mask, segment_ids)
+    weights_BxT = masked_tokens.segment_token_weights(mask, segment_ids)
     advantages = jnp.asarray(advantages, _F32) * weights_BxT
     aggregation = 'token_sum'
   if mesh is not None and mesh.size > 1:
@@ -79,7 +79,7 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
 def _pallas(logp, behavior_logp, advantages, mask, eps_low, eps_high,
             aggregation, block_b, block_t, interpret):
   """The Pallas kernel on one device's arrays, arguments checked."""
-  mask_BxT, (logp, behavior_logp, advantages) = tokens.check_token_inputs(
+  mask_BxT, (logp, behavior_logp, advantages) = masked_tokens.check_token_inputs(
       'dis_policy_loss', mask, logp=logp, behavior_logp=behavior_logp,
       advantages=advantages)
   return pallas_tpu.dis_policy_loss(

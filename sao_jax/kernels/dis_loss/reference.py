@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sao_jax.rl import tokens
+from sao_jax import masked_tokens
 
 
 def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
@@ -37,7 +37,7 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
     mask: bool or 0/1 `[B, T]` m_t (action tokens).
     eps_low: lower band width; the band starts at 1 - eps_low (paper: 0.3).
     eps_high: upper band width; the band ends at 1 + eps_high (paper: 5.0).
-    aggregation: one of `tokens.AGGREGATIONS`.
+    aggregation: one of `masked_tokens.AGGREGATIONS`.
     segment_ids: int `[B, T]` (`TrainBatch.segment_ids_BxT`), the
       trajectories of packed rows; None: one per row.
 
@@ -53,7 +53,7 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
     Schulman, "Approximating KL divergence" (k1, k3), 2020.
   """
   where = 'dis_policy_loss'
-  mask_BxT, (logp_BxT, mu_BxT, adv_BxT) = tokens.token_inputs(
+  mask_BxT, (logp_BxT, mu_BxT, adv_BxT) = masked_tokens.token_inputs(
       where, mask, logp=logp, behavior_logp=behavior_logp,
       advantages=advantages)
   # mu_t is the rollout engine's record and A_t a target: constants.
@@ -68,10 +68,10 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
   # Dropped tokens leave the product entirely: a -inf logp (a token outside a
   # truncated sampling distribution) must not turn 0 * -inf into NaN.
   kept_logp_BxT = jnp.where(keep_BxT, logp_BxT, 0.0)
-  loss = tokens.aggregate(-coef_BxT * adv_BxT * kept_logp_BxT, mask_BxT,
+  loss = masked_tokens.aggregate(-coef_BxT * adv_BxT * kept_logp_BxT, mask_BxT,
                           aggregation, segment_ids)
 
-  metrics = tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
+  metrics = masked_tokens.ratio_metrics(mask_BxT, log_ratio_BxT, ratio_BxT)
   count = jnp.maximum(metrics['num_tokens'], 1.0)
   metrics['frac_below'] = jnp.sum(below_BxT) / count
   metrics['frac_above'] = jnp.sum(above_BxT) / count

@@ -1,7 +1,8 @@
 """Masked `[B, T]` token arrays: argument checks, sanitising, aggregation.
 
-The lowest layer of the RL math, shared by the losses (`sao_jax.rl.losses`)
-and the kernels' references and dispatchers (`sao_jax.kernels`): a token loss
+In the base layer, below both folders that use it: the RL math
+(`sao_jax.rl.losses`) and the kernels' references and dispatchers
+(`sao_jax.kernels`): a token loss
 checks its arguments with `check_token_inputs` (or `token_inputs`, which also
 zeroes every position off the mask), reduces its per-token terms with
 `aggregate`, and reports importance-ratio statistics with `ratio_metrics`.
