@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from sao_jax.rl import advantages
 
-_GAE = jax.jit(advantages.skip_observation_gae)
+_GAE = jax.jit(lambda rewards, values, mask, gamma, lam:
+               advantages.skip_observation_gae(rewards, values, mask,
+                                               gamma=gamma, lam=lam))
 
 
 def gae_brute_force(rewards, values, mask, gamma, lam):
@@ -234,25 +236,28 @@ def test_gae_shape_errors_name_the_shapes():
   r = np.zeros((2, 5), np.float32)
   with pytest.raises(ValueError, match=r'values has shape \(2, 4\).*\(2, 5\)'):
     advantages.skip_observation_gae(r, np.zeros((2, 4), np.float32),
-                                    np.ones((2, 5)), 1.0, 1.0)
+                                    np.ones((2, 5)), gamma=1.0, lam=1.0)
   with pytest.raises(ValueError, match=r'lam has shape \(3,\)'):
-    advantages.skip_observation_gae(r, r, np.ones((2, 5)), 1.0,
-                                    np.ones(3, np.float32))
+    advantages.skip_observation_gae(r, r, np.ones((2, 5)), gamma=1.0,
+                                    lam=np.ones(3, np.float32))
   with pytest.raises(ValueError, match=r'rewards has shape \(5,\).*rank 2'):
-    advantages.skip_observation_gae(r[0], r, np.ones((2, 5)), 1.0, 1.0)
+    advantages.skip_observation_gae(
+        r[0], r, np.ones((2, 5)), gamma=1.0, lam=1.0)
 
 
 def test_length_adaptive_lambda_values():
-  lam = advantages.length_adaptive_lambda(np.array([0, 1, 2, 10, 1000]), 1.5)
+  lam = advantages.length_adaptive_lambda(
+      np.array([0, 1, 2, 10, 1000]), alpha=1.5)
   np.testing.assert_allclose(
       lam, [0.0, 1 - 1 / 1.5, 1 - 1 / 3.0, 1 - 1 / 15.0, 1 - 1 / 1500.0],
       rtol=1e-6)
   # alpha * l < 1 would give a negative lambda: clipped to 0.
   np.testing.assert_allclose(
-      advantages.length_adaptive_lambda(np.array([1, 3]), 0.5), [0.0, 1 / 3],
+      advantages.length_adaptive_lambda(np.array([1, 3]), alpha=0.5),
+      [0.0, 1 / 3],
       rtol=1e-6)
   with pytest.raises(ValueError, match='alpha must be positive'):
-    advantages.length_adaptive_lambda(np.array([1]), 0.0)
+    advantages.length_adaptive_lambda(np.array([1]), alpha=0.0)
 
 
 def test_grpo_advantages_match_numpy():

@@ -328,7 +328,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   np.testing.assert_array_equal(algorithms.gae_mask(config, batch), actions)
   got = algorithms.gae(config, batch, values, lam)
   want = advantages.skip_observation_gae(batch.rewards_BxT, values, actions,
-                                         1.0, lam)
+                                         gamma=1.0, lam=lam)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
   naive = make_config(**{'kernels.implementation': implementation,
@@ -338,7 +338,7 @@ def test_skip_observations_switch_selects_the_gae_mask(implementation):
   np.testing.assert_array_equal(algorithms.gae_mask(naive, batch), response)
   got = algorithms.gae(naive, batch, values, lam)
   want = advantages.skip_observation_gae(batch.rewards_BxT, values, response,
-                                         1.0, lam)
+                                         gamma=1.0, lam=lam)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(got[0])[:, 9:12]).sum() > 0  # observations count
   # The critic regresses on the tokens GAE ran over.

@@ -31,9 +31,11 @@ def dis_numpy(logp, mu, adv, mask, eps_low, eps_high):
 def test_dis_loss_and_gradient_closed_form(eps):
   logp, mu, adv, mask = random_tokens(0)
   eps_low, eps_high = eps
-  fn = jax.jit(jax.value_and_grad(
-      lambda lp: losses.dis_policy_loss(lp, mu, adv, mask, eps_low, eps_high),
-      has_aux=True))
+  fn = jax.jit(
+      jax.value_and_grad(
+          lambda lp: losses.dis_policy_loss(
+              lp, mu, adv, mask, eps_low=eps_low, eps_high=eps_high),
+          has_aux=True))
   (loss, metrics), grad = fn(logp)
   want_loss, want_grad, ratio = dis_numpy(logp, mu, adv, mask, eps_low, eps_high)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -62,7 +64,7 @@ def test_dis_tokens_outside_band_get_exactly_zero_gradient(sign):
   logp = np.log(np.array([[0.5, 1.0, 7.0]], np.float32))
   adv = np.full((1, 3), sign, np.float32)
   grad = jax.grad(lambda lp: losses.dis_policy_loss(
-      lp, mu, adv, np.ones((1, 3)), 0.3, 5.0)[0])(logp)
+      lp, mu, adv, np.ones((1, 3)), eps_low=0.3, eps_high=5.0)[0])(logp)
   assert grad[0, 0] == 0.0 and grad[0, 2] == 0.0
   np.testing.assert_allclose(grad[0, 1], -sign / 3, rtol=1e-6)
 
@@ -73,7 +75,13 @@ def test_dis_band_is_strict_at_the_edges():
   logp = np.array([[-0.25, 0.0]], np.float32)
   mu = np.zeros((1, 2), np.float32)
   grad = jax.grad(lambda lp: losses.dis_policy_loss(
-      lp, mu, np.ones((1, 2), np.float32), np.ones((1, 2)), eps_low, 5.0)[0])(logp)
+      lp,
+      mu,
+      np.ones((1, 2), np.float32),
+      np.ones((1, 2)),
+      eps_low=eps_low,
+      eps_high=5.0)[0])(
+          logp)
   assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0
 
 
@@ -83,8 +91,10 @@ def test_dis_ratio_overflow_and_nan_padding_stay_finite():
   adv = np.array([[1.0, 2.0, np.nan]], np.float32)
   mask = np.array([[1, 1, 0]])
   (loss, metrics), grad = jax.value_and_grad(
-      lambda lp: losses.dis_policy_loss(lp, mu, adv, mask, 0.3, 5.0),
-      has_aux=True)(logp)
+      lambda lp: losses.dis_policy_loss(
+          lp, mu, adv, mask, eps_low=0.3, eps_high=5.0),
+      has_aux=True)(
+          logp)
   assert np.isfinite(loss) and np.all(np.isfinite(grad))
   np.testing.assert_allclose(grad, [[0.0, -1.0, 0.0]])
   np.testing.assert_allclose(metrics['frac_above'], 0.5)
@@ -96,9 +106,15 @@ def test_dis_minus_inf_logp_of_a_dropped_token_stays_finite():
   logp = np.array([[-np.inf, -0.5]], np.float32)
   mu = np.array([[-1.0, -0.5]], np.float32)
   (loss, metrics), grad = jax.value_and_grad(
-      lambda lp: losses.dis_policy_loss(lp, mu, np.ones((1, 2), np.float32),
-                                        np.ones((1, 2)), 0.3, 5.0),
-      has_aux=True)(logp)
+      lambda lp: losses.dis_policy_loss(
+          lp,
+          mu,
+          np.ones((1, 2), np.float32),
+          np.ones((1, 2)),
+          eps_low=0.3,
+          eps_high=5.0),
+      has_aux=True)(
+          logp)
   np.testing.assert_allclose(loss, 0.25)
   np.testing.assert_allclose(grad, [[0.0, -0.5]])
   np.testing.assert_allclose(metrics['frac_below'], 0.5)
@@ -106,8 +122,14 @@ def test_dis_minus_inf_logp_of_a_dropped_token_stays_finite():
 
 def test_seq_mean_token_mean_aggregation():
   logp, mu, adv, mask = random_tokens(3, spread=0.0)
-  loss, _ = losses.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
-                                   aggregation='seq_mean_token_mean')
+  loss, _ = losses.dis_policy_loss(
+      logp,
+      mu,
+      adv,
+      mask,
+      eps_low=0.3,
+      eps_high=5.0,
+      aggregation='seq_mean_token_mean')
   per_token = -adv * logp  # ratio 1 everywhere (mu == logp)
   rows = [per_token[b][mask[b]].mean() for b in range(len(mask)) if mask[b].any()]
   np.testing.assert_allclose(loss, np.mean(rows), rtol=1e-5)
@@ -117,7 +139,8 @@ def test_seq_mean_token_mean_aggregation():
 
 def test_all_masked_batch_gives_zero_loss():
   z = np.zeros((2, 3), np.float32)
-  loss, metrics = losses.dis_policy_loss(z, z, z + 1, np.zeros((2, 3)), 0.3, 5.0)
+  loss, metrics = losses.dis_policy_loss(
+      z, z, z + 1, np.zeros((2, 3)), eps_low=0.3, eps_high=5.0)
   assert loss == 0.0 and metrics['num_tokens'] == 0.0
 
 
@@ -135,7 +158,8 @@ def ppo_numpy(logp, old, adv, mask, eps_low, eps_high, dual=None):
 def test_ppo_loss_matches_numpy(dual):
   logp, old, adv, mask = random_tokens(4, spread=1.0)
   loss, metrics = jax.jit(
-      lambda *a: losses.ppo_policy_loss(*a, 0.2, 0.28, dual_clip=dual))(
+      lambda *a: losses.ppo_policy_loss(*a, eps_low=0.2, eps_high=0.28,
+                                        dual_clip=dual))(
           logp, old, adv, mask)
   np.testing.assert_allclose(loss, ppo_numpy(logp, old, adv, mask, 0.2, 0.28,
                                              dual), rtol=1e-5)
@@ -151,11 +175,17 @@ def test_ppo_keeps_gradient_where_dis_drops_it():
   logp = np.log(np.array([[0.5, 2.0]], np.float32))
   adv = np.ones((1, 2), np.float32)
   grad = jax.grad(lambda lp: losses.ppo_policy_loss(
-      lp, old, adv, np.ones((1, 2)), 0.2, 0.2)[0])(logp)
+      lp, old, adv, np.ones((1, 2)), eps_low=0.2, eps_high=0.2)[0])(logp)
   np.testing.assert_allclose(grad, [[-0.25, 0.0]], rtol=1e-6)  # -A r / N
   with pytest.raises(ValueError, match='dual_clip must be > 1'):
-    losses.ppo_policy_loss(logp, old, adv, np.ones((1, 2)), 0.2, 0.2,
-                           dual_clip=0.5)
+    losses.ppo_policy_loss(
+        logp,
+        old,
+        adv,
+        np.ones((1, 2)),
+        eps_low=0.2,
+        eps_high=0.2,
+        dual_clip=0.5)
 
 
 @pytest.mark.parametrize('clip', [None, 0.2])
@@ -199,9 +229,11 @@ def test_loss_shape_errors_name_the_shapes():
   x = np.zeros((2, 5), np.float32)
   with pytest.raises(ValueError, match=r'dis_policy_loss: behavior_logp has'
                      r' shape \(2, 4\), expected'):
-    losses.dis_policy_loss(x, x[:, :4], x, np.ones((2, 5)), 0.3, 5.0)
+    losses.dis_policy_loss(
+        x, x[:, :4], x, np.ones((2, 5)), eps_low=0.3, eps_high=5.0)
   with pytest.raises(ValueError, match=r'advantages has dtype int32'):
-    losses.dis_policy_loss(x, x, x.astype(np.int32), np.ones((2, 5)), 0.3, 5.0)
+    losses.dis_policy_loss(
+        x, x, x.astype(np.int32), np.ones((2, 5)), eps_low=0.3, eps_high=5.0)
   with pytest.raises(ValueError, match=r'mask has shape \(5,\).*rank 2'):
     losses.value_loss(x, x, np.ones(5))
 
@@ -209,9 +241,9 @@ def test_loss_shape_errors_name_the_shapes():
 def test_bf16_inputs_match_f32_reference():
   logp, mu, adv, mask = random_tokens(7)
   bf = [jnp.asarray(a, jnp.bfloat16) for a in (logp, mu, adv)]
-  loss16, _ = losses.dis_policy_loss(*bf, mask, 0.3, 5.0)
+  loss16, _ = losses.dis_policy_loss(*bf, mask, eps_low=0.3, eps_high=5.0)
   loss32, _ = losses.dis_policy_loss(*[np.asarray(a, np.float32) for a in bf],
-                                     mask, 0.3, 5.0)
+                                     mask, eps_low=0.3, eps_high=5.0)
   assert loss16.dtype == jnp.float32
   np.testing.assert_allclose(loss16, loss32, rtol=1e-6)
 
@@ -221,7 +253,7 @@ def test_ppo_token_weights_scale_each_term_and_its_gradient():
   weights = np.where(mask, np.random.default_rng(5).uniform(0, 2, logp.shape),
                      0).astype(np.float32)
   loss_fn = lambda w: lambda lp: losses.ppo_policy_loss(
-      lp, old, adv, mask, 0.2, 0.28, token_weights=w)[0]
+      lp, old, adv, mask, eps_low=0.2, eps_high=0.28, token_weights=w)[0]
   plain = jax.grad(loss_fn(None))(logp)
   weighted = jax.grad(loss_fn(weights))(logp)
   np.testing.assert_allclose(weighted, weights * plain, rtol=1e-5, atol=1e-7)
@@ -234,7 +266,7 @@ def test_ppo_token_weights_scale_each_term_and_its_gradient():
 
 def test_truncated_behavior_weights():
   prox, mu, _, mask = random_tokens(6, spread=1.0)
-  got = losses.truncated_behavior_weights(prox, mu, mask, 2.0)
+  got = losses.truncated_behavior_weights(prox, mu, mask, cap=2.0)
   want = np.where(mask, np.minimum(np.exp(prox.astype(np.float64) - mu), 2.0),
                   0.0)
   np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -244,7 +276,7 @@ def test_truncated_behavior_weights():
 @pytest.mark.parametrize('estimator', ['k1', 'k3'])
 def test_reference_kl_value_and_gradient(estimator):
   logp, ref, _, mask = random_tokens(7)
-  kl_fn = lambda lp: losses.reference_kl(lp, ref, mask, estimator)
+  kl_fn = lambda lp: losses.reference_kl(lp, ref, mask, estimator=estimator)
   log_r = ref.astype(np.float64) - logp  # log pi_ref / pi
   per_token = -log_r if estimator == 'k1' else np.exp(log_r) - 1 - log_r
   # d/dlogp: k1 -> 1, k3 -> 1 - pi_ref / pi
@@ -293,8 +325,8 @@ def test_ppo_nonfinite_logprobs_leave_the_mask_before_any_exp():
   logp, old = truncated_support(0, logp, old)
   finite = mask & np.isfinite(logp) & np.isfinite(old)
   assert 0 < (mask & ~finite).sum() < finite.sum()
-  fn = jax.jit(lambda lp: losses.ppo_policy_loss(lp, old, adv, mask, 0.2,
-                                                 0.28))
+  fn = jax.jit(lambda lp: losses.ppo_policy_loss(
+      lp, old, adv, mask, eps_low=0.2, eps_high=0.28))
   (loss, metrics), grad = fn(logp), jax.grad(lambda lp: fn(lp)[0])(logp)
   # The numpy reference sees only the finite tokens.
   safe_logp, safe_old = np.where(finite, logp, 0), np.where(finite, old, 0)
@@ -314,10 +346,12 @@ def test_decoupled_ppo_with_nonfinite_proximal_logprobs_has_finite_gradient():
   # NaN gradient. pi_prox = -inf at a token gives weight 0 there.
   logp, mu, adv, mask = random_tokens(12, spread=1.0)
   logp, prox = truncated_support(1, logp, mu)
-  weights = losses.truncated_behavior_weights(prox, mu, mask, 2.0)
+  weights = losses.truncated_behavior_weights(prox, mu, mask, cap=2.0)
   assert np.all(np.isfinite(weights))
   grad = jax.grad(lambda lp: losses.ppo_policy_loss(
-      lp, prox, adv, mask, 0.2, 0.28, token_weights=weights)[0])(logp)
+      lp, prox, adv, mask, eps_low=0.2, eps_high=0.28, token_weights=weights)[0]
+                 )(
+                     logp)
   finite = mask & np.isfinite(logp) & np.isfinite(prox)
   want = ppo_numpy_grad(np.where(finite, logp, 0), np.where(finite, prox, 0),
                         adv, finite, 0.2, 0.28) * np.asarray(weights)
@@ -329,7 +363,7 @@ def test_reference_kl_leaves_out_nonfinite_tokens_and_clamps_k3(estimator):
   logp, ref, _, mask = random_tokens(13)
   logp, ref = truncated_support(2, logp, ref)
   finite = mask & np.isfinite(logp) & np.isfinite(ref)
-  kl_fn = lambda lp: losses.reference_kl(lp, ref, mask, estimator)
+  kl_fn = lambda lp: losses.reference_kl(lp, ref, mask, estimator=estimator)
   log_r = (np.where(finite, ref, 0).astype(np.float64)
            - np.where(finite, logp, 0))
   per_token = -log_r if estimator == 'k1' else np.exp(log_r) - 1 - log_r
@@ -338,6 +372,9 @@ def test_reference_kl_leaves_out_nonfinite_tokens_and_clamps_k3(estimator):
   assert np.all(np.isfinite(jax.grad(kl_fn)(logp)))
   # verl's clamp: a log-ratio of 30 counts as 20, and k3 as at most 10.
   one = np.ones((1, 1), bool)
-  far = losses.reference_kl(np.zeros((1, 1), np.float32),
-                            np.full((1, 1), 30.0, np.float32), one, estimator)
+  far = losses.reference_kl(
+      np.zeros((1, 1), np.float32),
+      np.full((1, 1), 30.0, np.float32),
+      one,
+      estimator=estimator)
   np.testing.assert_allclose(far, -30.0 if estimator == 'k1' else 10.0)

@@ -267,8 +267,8 @@ def test_bad_packing_input_is_a_clear_error():
   with pytest.raises(ValueError, match=r'packed_rows=3 must be in \[0, 2\]'):
     batching.assemble_batch(trajs, LENGTH, 0, packed_rows=3)
   long = trajectories(7, num=1, lengths=(LENGTH + 1, LENGTH + 2))
-  with pytest.raises(ValueError, match=r'trajectory 2 .* has 33 tokens, more'
-                     r' than max_length 32'):
+  with pytest.raises(ValueError, match=r'trajectory 2 \(.*, 33 tokens\):'
+                     r' more than max_length 32'):
     batching.assemble_batch(trajs + long, LENGTH, 0, packed_rows=2)
 
 

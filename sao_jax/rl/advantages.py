@@ -63,7 +63,7 @@ def response_mask(input_mask, action_mask, segment_ids=None):
   return jnp.asarray(input_mask).astype(bool) & (seen_BxT > 0)
 
 
-def length_adaptive_lambda(num_action_tokens, alpha):
+def length_adaptive_lambda(num_action_tokens, *, alpha):
   """The policy's per-trajectory lambda, `clip(1 - 1 / (alpha * l), 0, 1)`.
 
   VAPO's length-adaptive GAE, used by SAO for the policy advantage (SAO §1.4):

@@ -108,7 +108,7 @@ def policy_lambda(config, batch):
   adv = config.advantage
   if adv.adaptive_lambda:
     lam_N = advantages.length_adaptive_lambda(batch.num_action_tokens_N,
-                                              adv.alpha)
+                                              alpha=adv.alpha)
   else:
     lam_N = jnp.full(batch.num_action_tokens_N.shape, adv.lam, _F32)
   # On every token of the trajectory: GAE reads it on the tokens it runs over.
@@ -140,7 +140,7 @@ def gae(config, batch, values_BxT, lam, mesh=None):
   """
   return gae_api.skip_observation_gae(
       batch.rewards_BxT, values_BxT, gae_mask(config, batch),
-      config.advantage.gamma, lam, batch.segment_ids_BxT,
+      gamma=config.advantage.gamma, lam=lam, segment_ids=batch.segment_ids_BxT,
       implementation=config.kernels.implementation, mesh=mesh)
 
 
@@ -256,7 +256,7 @@ OLD_POLICIES: dict[str, OldPolicy] = {
     'decoupled': OldPolicy(True, lambda prox, batch, cfg: (
         prox, losses.truncated_behavior_weights(
             prox, batch.behavior_logprobs_BxT, batch.action_mask_BxT,
-            cfg.behavior_weight_cap))),
+            cap=cfg.behavior_weight_cap))),
 }
 
 
@@ -278,9 +278,16 @@ def _dis_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   del prox_logp_BxT  # the ratio is against the engine's own mu
   cfg = config.policy_loss
   return dis_loss_api.dis_policy_loss(
-      logp_BxT, batch.behavior_logprobs_BxT, adv_BxT, batch.action_mask_BxT,
-      cfg.eps_low, cfg.eps_high, cfg.aggregation, batch.segment_ids_BxT,
-      implementation=config.kernels.implementation, mesh=mesh)
+      logp_BxT,
+      batch.behavior_logprobs_BxT,
+      adv_BxT,
+      batch.action_mask_BxT,
+      eps_low=cfg.eps_low,
+      eps_high=cfg.eps_high,
+      aggregation=cfg.aggregation,
+      segment_ids=batch.segment_ids_BxT,
+      implementation=config.kernels.implementation,
+      mesh=mesh)
 
 
 def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
@@ -291,9 +298,16 @@ def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   old_BxT, weights_BxT = OLD_POLICIES[cfg.old_logprobs].select(
       prox_logp_BxT, batch, cfg)
   loss, metrics = losses.ppo_policy_loss(
-      logp_BxT, old_BxT, adv_BxT, mask, cfg.eps_low, cfg.eps_high,
-      dual_clip=cfg.dual_clip or None, aggregation=cfg.aggregation,
-      token_weights=weights_BxT, segment_ids=batch.segment_ids_BxT)
+      logp_BxT,
+      old_BxT,
+      adv_BxT,
+      mask,
+      eps_low=cfg.eps_low,
+      eps_high=cfg.eps_high,
+      dual_clip=cfg.dual_clip or None,
+      aggregation=cfg.aggregation,
+      token_weights=weights_BxT,
+      segment_ids=batch.segment_ids_BxT)
   if weights_BxT is not None:
     count = jnp.maximum(jnp.sum(mask), 1)
     metrics['behavior_weight_mean'] = jnp.sum(weights_BxT) / count
@@ -402,8 +416,13 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
     loss = loss + cfg.behavior_kl_coef * kl
     metrics['behavior_kl_penalty'] = kl
   if cfg.ref_kl_coef:
-    kl = losses.reference_kl(logp_BxT, ref_logp_BxT, mask,
-                             cfg.ref_kl_estimator, cfg.aggregation, segments)
+    kl = losses.reference_kl(
+        logp_BxT,
+        ref_logp_BxT,
+        mask,
+        estimator=cfg.ref_kl_estimator,
+        aggregation=cfg.aggregation,
+        segment_ids=segments)
     loss = loss + cfg.ref_kl_coef * kl
     metrics['ref_kl'] = kl
   if cfg.entropy_coef:
@@ -443,7 +462,3 @@ def batch_totals(mask_BxT, segment_ids_BxT):
   return {'tokens': jnp.sum(mask_BxT).astype(_F32),
           'segments': masked_tokens.num_segments(mask_BxT,
                                           segment_ids_BxT).astype(_F32)}
-
-
-def stop_gradient_tree(tree):
-  return jax.tree.map(jax.lax.stop_gradient, tree)

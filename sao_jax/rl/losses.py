@@ -27,7 +27,7 @@ check_token_inputs = masked_tokens.check_token_inputs
 dis_policy_loss = dis_reference.dis_policy_loss
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high,
+def ppo_policy_loss(logp, old_logp, advantages, mask, *, eps_low, eps_high,
                     dual_clip=None, aggregation='token_mean',
                     token_weights=None, segment_ids=None):
   """PPO's clipped surrogate with decoupled (clip-higher) bounds and dual clip.
@@ -131,7 +131,7 @@ def finite_mask(mask, *logps):
   return mask_BxT & finite_BxT, dropped
 
 
-def truncated_behavior_weights(prox_logp, behavior_logp, mask, cap):
+def truncated_behavior_weights(prox_logp, behavior_logp, mask, *, cap):
   """Decoupled PPO's behaviour weight `min(pi_prox / mu, C)` per token.
 
   The clip of decoupled PPO is taken against a proximal policy pi_prox (the
@@ -172,7 +172,7 @@ _K3_CLAMP = 10.0
 KL_ESTIMATORS = ('k1', 'k3')
 
 
-def reference_kl(logp, ref_logp, mask, estimator='k3',
+def reference_kl(logp, ref_logp, mask, *, estimator='k3',
                  aggregation='token_mean', segment_ids=None):
   """A differentiable estimate of KL(pi_theta || pi_ref) on the sampled tokens.
 
@@ -218,7 +218,7 @@ def reference_kl(logp, ref_logp, mask, estimator='k3',
   return masked_tokens.aggregate(kl_BxT, mask_BxT, aggregation, segment_ids)
 
 
-def value_loss(values, returns, mask, old_values=None, clip_eps=None,
+def value_loss(values, returns, mask, *, old_values=None, clip_eps=None,
                aggregation='token_mean', segment_ids=None):
   """Critic regression `0.5 * (V_t - R_t)^2` on action tokens, optionally clipped.
 

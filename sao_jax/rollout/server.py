@@ -398,10 +398,6 @@ class RolloutServer:
 
   # -- lifecycle --------------------------------------------------------------
 
-  def wait(self) -> None:
-    """Blocks until the server stops."""
-    self._run(self._server.wait_for_termination())
-
   def stop(self, grace_s: float = 5.0) -> None:
     """Stops accepting calls, lets running ones finish for `grace_s`, exits."""
     if self._stopped:

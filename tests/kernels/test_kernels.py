@@ -48,10 +48,16 @@ def gae_inputs(seed, batch=6, length=300, dtype=jnp.float32):
 @pytest.mark.parametrize('gamma', [1.0, 0.95])
 def test_gae_matches_reference(implementation, dtype, gamma):
   rewards, values, mask, lam = gae_inputs(0, dtype=DTYPES[dtype][0])
-  got = kernels.skip_observation_gae(rewards, values, mask, gamma, lam,
-                                     implementation=implementation,
-                                     block_t=128)
-  want = advantages.skip_observation_gae(rewards, values, mask, gamma, lam)
+  got = kernels.skip_observation_gae(
+      rewards,
+      values,
+      mask,
+      gamma=gamma,
+      lam=lam,
+      implementation=implementation,
+      block_t=128)
+  want = advantages.skip_observation_gae(
+      rewards, values, mask, gamma=gamma, lam=lam)
   for g, w in zip(got, want):
     assert g.dtype == jnp.float32 and g.shape == w.shape
     # Both upcast bf16 inputs to f32: the results agree to f32 rounding.
@@ -63,9 +69,10 @@ def test_gae_kernel_scalar_lambda_and_nan_off_actions():
   rewards, values, mask, _ = gae_inputs(1, batch=5, length=131)
   rewards = jnp.where(mask, rewards, jnp.nan)  # junk off the actions
   values = jnp.where(mask, values, jnp.inf)
-  got = kernels.skip_observation_gae(rewards, values, mask, 1.0, 0.9,
+  got = kernels.skip_observation_gae(rewards, values, mask, gamma=1.0, lam=0.9,
                                      implementation='pallas')
-  want = advantages.skip_observation_gae(rewards, values, mask, 1.0, 0.9)
+  want = advantages.skip_observation_gae(
+      rewards, values, mask, gamma=1.0, lam=0.9)
   chex.assert_tree_all_finite(got)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
 
@@ -89,7 +96,8 @@ def test_dis_forward_and_gradient_match_reference(implementation, dtype,
 
   def run(fn, **kw):
     return jax.value_and_grad(
-        lambda lp: fn(lp, mu, adv, mask, 0.3, 5.0, aggregation, **kw),
+        lambda lp: fn(lp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+                      aggregation=aggregation, **kw),
         has_aux=True)(logp)
 
   (loss, metrics), grad = run(kernels.dis_policy_loss,
@@ -111,12 +119,24 @@ def test_dis_kernel_zero_gradient_outside_band_and_empty_batch():
   logp = jnp.log(jnp.array([[0.5, 1.0, 7.0]]))
   for sign in (1.0, -1.0):
     grad = jax.grad(lambda lp: kernels.dis_policy_loss(
-        lp, mu, jnp.full((1, 3), sign), jnp.ones((1, 3)), 0.3, 5.0,
-        implementation='pallas')[0])(logp)
+        lp,
+        mu,
+        jnp.full((1, 3), sign),
+        jnp.ones((1, 3)),
+        eps_low=0.3,
+        eps_high=5.0,
+        implementation='pallas')[0])(
+            logp)
     np.testing.assert_allclose(grad, [[0.0, -sign / 3, 0.0]], rtol=1e-6)
   z = jnp.zeros((2, 5))
-  loss, metrics = kernels.dis_policy_loss(z, z, z, jnp.zeros((2, 5)), 0.3,
-                                          5.0, implementation='pallas')
+  loss, metrics = kernels.dis_policy_loss(
+      z,
+      z,
+      z,
+      jnp.zeros((2, 5)),
+      eps_low=0.3,
+      eps_high=5.0,
+      implementation='pallas')
   assert loss == 0.0 and metrics['num_tokens'] == 0.0
   assert metrics['ratio_min'] == 1.0 and metrics['ratio_max'] == 1.0
 
@@ -135,7 +155,8 @@ def test_dis_kernel_minus_inf_logp_is_dropped_not_nan(aggregation):
 
   def run(fn, **kw):
     return jax.value_and_grad(
-        lambda lp: fn(lp, mu, adv, mask, 0.3, 5.0, aggregation, **kw),
+        lambda lp: fn(lp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+                      aggregation=aggregation, **kw),
         has_aux=True)(logp)
 
   (loss, metrics), grad = run(kernels.dis_policy_loss, implementation='pallas',
@@ -156,20 +177,20 @@ def test_dis_kernel_minus_inf_logp_is_dropped_not_nan(aggregation):
 def test_bad_implementation_and_blocks_are_clear_errors():
   logp, mu, adv, mask = dis_inputs(3, batch=4, length=20)
   with pytest.raises(ValueError, match="implementation='cuda' is not one of"):
-    kernels.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
+    kernels.dis_policy_loss(logp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
                             implementation='cuda')
   with pytest.raises(ValueError, match=r'block \(32, 100\) is not a multiple'
                      r' of the TPU tile \(32, 128\)'):
-    kernels.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
+    kernels.dis_policy_loss(logp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
                             implementation='pallas', block_t=100)
   # An oversized block is refused before Mosaic sees it.
   with pytest.raises(ValueError, match=r'block \(4096, 65536\) needs .* MiB of'
                      r' VMEM .* over the 32 MiB budget; use a smaller block'):
-    kernels.skip_observation_gae(*gae_inputs(4, batch=4, length=20)[:3], 1.0,
-                                 1.0, implementation='pallas', block_b=4096,
-                                 block_t=65536)
+    kernels.skip_observation_gae(*gae_inputs(4, batch=4, length=20)[:3],
+                                 gamma=1.0, lam=1.0, implementation='pallas',
+                                 block_b=4096, block_t=65536)
   with pytest.raises(ValueError, match='values has shape'):
-    kernels.skip_observation_gae(logp, logp[:, :5], mask, 1.0, 1.0,
+    kernels.skip_observation_gae(logp, logp[:, :5], mask, gamma=1.0, lam=1.0,
                                  implementation='pallas')
 
 
@@ -184,11 +205,18 @@ def test_config_switches_implementation_with_identical_results():
     config_lib.validate(config, num_devices=1)
     (loss, _), grad = jax.value_and_grad(
         lambda lp, c=config: kernels.dis_policy_loss(
-            lp, mu, adv, mask, c.policy_loss.eps_low, c.policy_loss.eps_high,
-            c.policy_loss.aggregation,
-            implementation=c.kernels.implementation), has_aux=True)(logp)
+            lp,
+            mu,
+            adv,
+            mask,
+            eps_low=c.policy_loss.eps_low,
+            eps_high=c.policy_loss.eps_high,
+            aggregation=c.policy_loss.aggregation,
+            implementation=c.kernels.implementation),
+        has_aux=True)(
+            logp)
     adv_gae, _ = kernels.skip_observation_gae(
-        adv, logp, mask, config.advantage.gamma, 0.9,
+        adv, logp, mask, gamma=config.advantage.gamma, lam=0.9,
         implementation=config.kernels.implementation)
     results[implementation] = (loss, grad, adv_gae)
   chex.assert_trees_all_close(results['pallas'], results['xla'], rtol=1e-5,
@@ -242,8 +270,8 @@ def packed_gae_inputs(seed, batch=6, length=300):
 @pytest.mark.parametrize('gamma', [1.0, 0.95])
 def test_gae_reference_packed_is_gae_of_each_trajectory_alone(gamma):
   rewards, values, mask, lam_BxT, ids = packed_gae_inputs(6)
-  got = advantages.skip_observation_gae(rewards, values, mask, gamma, lam_BxT,
-                                        ids)
+  got = advantages.skip_observation_gae(
+      rewards, values, mask, gamma=gamma, lam=lam_BxT, segment_ids=ids)
   want = numpy_gae_per_segment(np.asarray(rewards, np.float64),
                                np.asarray(values, np.float64), mask, gamma,
                                lam_BxT, ids)
@@ -256,15 +284,21 @@ def test_gae_reference_packed_is_gae_of_each_trajectory_alone(gamma):
 def test_gae_packed_matches_reference(implementation, per_token_lambda):
   rewards, values, mask, lam_BxT, ids = packed_gae_inputs(7)
   lam = lam_BxT if per_token_lambda else lam_BxT[:, 0]
-  got = kernels.skip_observation_gae(rewards, values, mask, 0.95, lam, ids,
-                                     implementation=implementation,
-                                     block_t=128)
-  want = advantages.skip_observation_gae(rewards, values, mask, 0.95, lam,
-                                         ids)
+  got = kernels.skip_observation_gae(
+      rewards,
+      values,
+      mask,
+      gamma=0.95,
+      lam=lam,
+      segment_ids=ids,
+      implementation=implementation,
+      block_t=128)
+  want = advantages.skip_observation_gae(
+      rewards, values, mask, gamma=0.95, lam=lam, segment_ids=ids)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
   # Without the segment ids the recursion would run across trajectories.
-  unsegmented = advantages.skip_observation_gae(rewards, values, mask, 0.95,
-                                                lam)
+  unsegmented = advantages.skip_observation_gae(
+      rewards, values, mask, gamma=0.95, lam=lam)
   assert np.abs(np.asarray(unsegmented[0]) - np.asarray(want[0])).max() > 0.1
 
 
@@ -279,8 +313,15 @@ def test_dis_reference_packed_is_the_mean_over_trajectories():
   logp, mu, adv, mask = dis_inputs(8, batch=6, length=300)
   ids = packed_segments(np.random.default_rng(8), 6, 300)
   mask = mask & (ids > 0)
-  loss, _ = losses.dis_policy_loss(logp, mu, adv, mask, 0.3, 5.0,
-                                   'seq_mean_token_mean', ids)
+  loss, _ = losses.dis_policy_loss(
+      logp,
+      mu,
+      adv,
+      mask,
+      eps_low=0.3,
+      eps_high=5.0,
+      aggregation='seq_mean_token_mean',
+      segment_ids=ids)
   ratio = np.exp(np.asarray(logp, np.float64) - np.asarray(mu, np.float64))
   keep = (ratio > 0.7) & (ratio < 6.0)
   term = np.where(keep, -ratio * np.asarray(adv) * np.asarray(logp), 0.0)
@@ -299,7 +340,8 @@ def test_dis_packed_matches_reference(implementation, dtype, aggregation):
 
   def run(fn, **kw):
     return jax.value_and_grad(
-        lambda lp: fn(lp, mu, adv, mask, 0.3, 5.0, aggregation, ids, **kw),
+        lambda lp: fn(lp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+                      aggregation=aggregation, segment_ids=ids, **kw),
         has_aux=True)(logp)
 
   (loss, metrics), grad = run(kernels.dis_policy_loss,
@@ -323,13 +365,27 @@ def test_packed_kernels_per_shard_match_one_call():
   ids = packed_segments(np.random.default_rng(10), 64, 128)
   mask = mask & (ids > 0)
   dis = lambda lp, **kw: kernels.dis_policy_loss(
-      lp, mu, adv, mask, 0.3, 5.0, 'seq_mean_token_mean', ids,
-      implementation='pallas', **kw)[0]
+      lp,
+      mu,
+      adv,
+      mask,
+      eps_low=0.3,
+      eps_high=5.0,
+      aggregation='seq_mean_token_mean',
+      segment_ids=ids,
+      implementation='pallas',
+      **kw)[0]
   chex.assert_trees_all_close(
       jax.value_and_grad(lambda lp: dis(lp, mesh=mesh))(logp),
       jax.value_and_grad(dis)(logp), rtol=1e-5, atol=1e-7)
   rewards, values = logp, mu
   gae = lambda **kw: kernels.skip_observation_gae(
-      rewards, values, mask, 1.0, jnp.where(mask, 0.9, 0.0), ids,
-      implementation='pallas', **kw)
+      rewards,
+      values,
+      mask,
+      gamma=1.0,
+      lam=jnp.where(mask, 0.9, 0.0),
+      segment_ids=ids,
+      implementation='pallas',
+      **kw)
   chex.assert_trees_all_close(gae(mesh=mesh), gae(), rtol=1e-6)

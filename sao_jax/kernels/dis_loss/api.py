@@ -15,6 +15,7 @@ and metrics. The XLA reference needs none of this: the partitioner splits it.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -31,11 +32,13 @@ P = jax.sharding.PartitionSpec
 _TOKEN_MEANS = ('ratio_mean', 'kl_k1', 'kl_k3', 'frac_below', 'frac_above')
 
 
-def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
+def dis_policy_loss(logp: chex.Array, behavior_logp: chex.Array,
+                    advantages: chex.Array, mask: chex.Array, *,
+                    eps_low: float, eps_high: float,
                     aggregation='token_mean', segment_ids=None,
                     implementation: str = 'auto',
                     block_b: int | None = None, block_t: int | None = None,
-                    interpret: bool | None = None, *, mesh=None):
+                    interpret: bool | None = None, mesh=None):
   """The DIS loss of SAO §1.2; see `reference.dis_policy_loss`.
 
   Same arguments and results as the reference (`segment_ids`: the
@@ -53,9 +56,15 @@ def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
   """
   name, interpret_off_tpu = dispatch.resolve(implementation)
   if name == 'xla':
-    return reference.dis_policy_loss(logp, behavior_logp, advantages, mask,
-                                     eps_low, eps_high, aggregation,
-                                     segment_ids)
+    return reference.dis_policy_loss(
+        logp,
+        behavior_logp,
+        advantages,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        aggregation=aggregation,
+        segment_ids=segment_ids)
   if aggregation not in masked_tokens.AGGREGATIONS:
     raise ValueError(f'dis_policy_loss: unknown aggregation {aggregation!r};'
                      f' expected one of {masked_tokens.AGGREGATIONS}')

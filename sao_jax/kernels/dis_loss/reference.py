@@ -8,13 +8,16 @@ Pallas kernel (and runs the kernel per batch shard on a mesh).
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from sao_jax import masked_tokens
 
 
-def dis_policy_loss(logp, behavior_logp, advantages, mask, eps_low, eps_high,
+def dis_policy_loss(logp: chex.Array, behavior_logp: chex.Array,
+                    advantages: chex.Array, mask: chex.Array, *,
+                    eps_low: float, eps_high: float,
                     aggregation='token_mean', segment_ids=None):
   """Direct double-sided importance sampling loss (SAO §1.2, paper eq. 1-3).
 

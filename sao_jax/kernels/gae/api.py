@@ -11,6 +11,7 @@ the tensor axis. The XLA reference is partitioned by XLA itself.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -23,12 +24,14 @@ _F32 = jnp.float32
 P = jax.sharding.PartitionSpec
 
 
-def skip_observation_gae(rewards, values, action_mask, gamma, lam,
+def skip_observation_gae(rewards: chex.Array, values: chex.Array,
+                         action_mask: chex.Array, *, gamma: float,
+                         lam: float | chex.Array,
                          segment_ids=None,
                          implementation: str = 'auto',
                          block_b: int | None = None,
                          block_t: int | None = None,
-                         interpret: bool | None = None, *, mesh=None):
+                         interpret: bool | None = None, mesh=None):
   """Skip-observation GAE (SAO §1.4); see `reference.skip_observation_gae`.
 
   Args:
@@ -53,8 +56,13 @@ def skip_observation_gae(rewards, values, action_mask, gamma, lam,
   """
   name, interpret_off_tpu = dispatch.resolve(implementation)
   if name == 'xla':
-    return reference.skip_observation_gae(rewards, values, action_mask, gamma,
-                                          lam, segment_ids)
+    return reference.skip_observation_gae(
+        rewards,
+        values,
+        action_mask,
+        gamma=gamma,
+        lam=lam,
+        segment_ids=segment_ids)
   interpret = interpret_off_tpu if interpret is None else interpret
   where = 'skip_observation_gae'
   mask, gamma, lam = reference.check_gae_inputs(where, rewards, values,

@@ -8,6 +8,7 @@ kernel (and runs the kernel per batch shard on a mesh).
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -16,7 +17,9 @@ from sao_jax import array_checks
 _F32 = jnp.float32
 
 
-def skip_observation_gae(rewards, values, action_mask, gamma, lam,
+def skip_observation_gae(rewards: chex.Array, values: chex.Array,
+                         action_mask: chex.Array, *, gamma: float,
+                         lam: float | chex.Array,
                          segment_ids=None):
   """Token-level GAE whose recursion runs over action tokens only (SAO §1.4).
 
