@@ -27,6 +27,7 @@ from sao_jax import distributed
 from sao_jax import evaluation
 from sao_jax import host_gather
 from sao_jax import process_memory
+from sao_jax import stop_signal
 from sao_jax.envs import registry
 from sao_jax.envs import task_ledger
 from sao_jax.envs import task_stream
@@ -63,7 +64,7 @@ def run(config, workdir: str) -> RunResult:
   """
   _check_before_start(config, workdir)
   process_memory.release_freed_arrays()
-  stop_flag = checkpointing.install_sigterm_handler()
+  stop_flag = stop_signal.install_sigterm_handler()
   stop_flag.exit_immediately = True
   try:
     return _run(config, workdir, stop_flag)
@@ -180,7 +181,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         with tracker.phase('wait'):
           trajectories, batch = rollouts.next_batch(
               config.rollout.get_batch_timeout_s)
-      except checkpointing.StopRequested:
+      except stop_signal.StopRequested:
         stopped = True
         break
       with tracker.phase('train'):
@@ -212,7 +213,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
             if config.rollout.max_staleness == 0:
               rollouts.drain()
             metrics.update(rollouts.push_weights(state.policy, step))
-          except checkpointing.StopRequested:
+          except stop_signal.StopRequested:
             stopped = True  # the step is done: log and save it below
         memory.mark('weight_push')
       metrics.update(train_metrics.batch_metrics(trajectories, step))

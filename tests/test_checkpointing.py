@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sao_jax import checkpointing
+from sao_jax import stop_signal
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _TMP_SUFFIX = '.orbax-checkpoint-tmp'
@@ -318,7 +319,7 @@ def test_save_killed_mid_save_is_never_loaded(tmp_path, stall_at, written):
 
 def test_sigterm_sets_flag_and_uninstall_restores_handler():
   previous = signal.getsignal(signal.SIGTERM)
-  stop = checkpointing.install_sigterm_handler()
+  stop = stop_signal.install_sigterm_handler()
   try:
     assert not stop.should_stop()
     os.kill(os.getpid(), signal.SIGTERM)
@@ -338,8 +339,9 @@ _TRAIN_UNTIL_SIGTERM = textwrap.dedent('''
     import sys, time
     import jax.numpy as jnp
     from sao_jax import checkpointing
+    from sao_jax import stop_signal
 
-    stop = checkpointing.install_sigterm_handler()
+    stop = stop_signal.install_sigterm_handler()
     ckpt = checkpointing.Checkpointer(sys.argv[1], save_interval_steps=1000)
     state = {'x': jnp.zeros(4)}
     for step in range(1, 100_000):

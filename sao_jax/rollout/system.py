@@ -227,7 +227,7 @@ class RolloutSystem:
     Raises:
       TimeoutError: no batch within `timeout_s`, or no live server for
         `no_server_grace_s` (`check_servers`).
-      checkpointing.StopRequested: a stop was requested meanwhile.
+      stop_signal.StopRequested: a stop was requested meanwhile.
     """
     deadline = time.monotonic() + timeout_s
 
