@@ -357,8 +357,17 @@ class ServerPool:
         while len(per_sample) <= i:
           per_sample.append([])
         if sample.token_ids:
-          per_sample[i].append(wire.decode_step(sample.token_ids,
-                                                self._routing))
+          try:
+            per_sample[i].append(wire.decode_step(sample.token_ids,
+                                                  self._routing))
+          except ValueError as e:
+            # A dense server for an MoE policy (or the reverse): its steps
+            # have another width. A failed request, not a dead worker.
+            self.counters['bad_response'] += 1
+            raise RequestFailed(
+                'bad_response', f'{server.address}: a step of'
+                f' {len(sample.token_ids)} ids, not a multiple of'
+                f' {self._routing.width} (routing {self._routing})') from e
     results = []
     for steps in per_sample:
       tokens, logprobs, versions, experts = [], [], [], []

@@ -33,6 +33,15 @@ def test_records_pack_and_unpack(num_experts):
   assert wire.RoutingLayout.for_model(3, 2, 0).width == wire.NUM_COLUMNS
 
 
+def test_a_step_of_the_wrong_width_is_an_error():
+  """A dense server's 3-column steps do not parse as an MoE policy's (the
+  client turns this into a failed request, `bad_response`)."""
+  layout = wire.RoutingLayout.for_model(2, 2, 4)
+  assert layout.width == 4
+  with pytest.raises(ValueError):
+    wire.decode_step([5, 0, 1], layout)
+
+
 def generate(dtype, prompts, max_tokens=24):
   """`[(prompt, tokens, logprobs, versions, records)]` of a tiny MoE engine
   at version 0 on JetStream's orchestrator."""
