@@ -44,14 +44,9 @@ QUICK_SIZES = [(8, 1024)]
 
 def gae_fn(implementation, interpret=None):
   def fn(rewards, values, mask, lam):
-    return kernels.skip_observation_gae(
-        rewards,
-        values,
-        mask,
-        gamma=1.0,
-        lam=lam,
-        implementation=implementation,
-        interpret=interpret)
+    return kernels.skip_observation_gae(rewards, values, mask, gamma=1.0,
+                                        lam=lam, implementation=implementation,
+                                        interpret=interpret)
   return fn
 
 
@@ -59,16 +54,9 @@ def dis_fn(implementation, interpret=None):
   def fn(logp, mu, adv, mask):
     return jax.value_and_grad(
         lambda x: kernels.dis_policy_loss(
-            x,
-            mu,
-            adv,
-            mask,
-            eps_low=0.3,
-            eps_high=5.0,
-            implementation=implementation,
-            interpret=interpret),
-        has_aux=True)(
-            logp)
+            x, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+            implementation=implementation, interpret=interpret),
+        has_aux=True)(logp)
   return fn
 
 

@@ -33,9 +33,8 @@ def test_dis_loss_and_gradient_closed_form(eps):
   eps_low, eps_high = eps
   fn = jax.jit(
       jax.value_and_grad(
-          lambda lp: losses.dis_policy_loss(
-              lp, mu, adv, mask, eps_low=eps_low, eps_high=eps_high),
-          has_aux=True))
+          lambda lp: losses.dis_policy_loss(lp, mu, adv, mask, eps_low=eps_low,
+                                            eps_high=eps_high), has_aux=True))
   (loss, metrics), grad = fn(logp)
   want_loss, want_grad, ratio = dis_numpy(logp, mu, adv, mask, eps_low, eps_high)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -75,13 +74,8 @@ def test_dis_band_is_strict_at_the_edges():
   logp = np.array([[-0.25, 0.0]], np.float32)
   mu = np.zeros((1, 2), np.float32)
   grad = jax.grad(lambda lp: losses.dis_policy_loss(
-      lp,
-      mu,
-      np.ones((1, 2), np.float32),
-      np.ones((1, 2)),
-      eps_low=eps_low,
-      eps_high=5.0)[0])(
-          logp)
+      lp, mu, np.ones((1, 2), np.float32), np.ones((1, 2)), eps_low=eps_low,
+      eps_high=5.0)[0])(logp)
   assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0
 
 
@@ -91,10 +85,9 @@ def test_dis_ratio_overflow_and_nan_padding_stay_finite():
   adv = np.array([[1.0, 2.0, np.nan]], np.float32)
   mask = np.array([[1, 1, 0]])
   (loss, metrics), grad = jax.value_and_grad(
-      lambda lp: losses.dis_policy_loss(
-          lp, mu, adv, mask, eps_low=0.3, eps_high=5.0),
-      has_aux=True)(
-          logp)
+      lambda lp: losses.dis_policy_loss(lp, mu, adv, mask, eps_low=0.3,
+                                        eps_high=5.0),
+      has_aux=True)(logp)
   assert np.isfinite(loss) and np.all(np.isfinite(grad))
   np.testing.assert_allclose(grad, [[0.0, -1.0, 0.0]])
   np.testing.assert_allclose(metrics['frac_above'], 0.5)
@@ -107,11 +100,7 @@ def test_dis_minus_inf_logp_of_a_dropped_token_stays_finite():
   mu = np.array([[-1.0, -0.5]], np.float32)
   (loss, metrics), grad = jax.value_and_grad(
       lambda lp: losses.dis_policy_loss(
-          lp,
-          mu,
-          np.ones((1, 2), np.float32),
-          np.ones((1, 2)),
-          eps_low=0.3,
+          lp, mu, np.ones((1, 2), np.float32), np.ones((1, 2)), eps_low=0.3,
           eps_high=5.0),
       has_aux=True)(
           logp)
@@ -122,14 +111,9 @@ def test_dis_minus_inf_logp_of_a_dropped_token_stays_finite():
 
 def test_seq_mean_token_mean_aggregation():
   logp, mu, adv, mask = random_tokens(3, spread=0.0)
-  loss, _ = losses.dis_policy_loss(
-      logp,
-      mu,
-      adv,
-      mask,
-      eps_low=0.3,
-      eps_high=5.0,
-      aggregation='seq_mean_token_mean')
+  loss, _ = losses.dis_policy_loss(logp, mu, adv, mask, eps_low=0.3,
+                                   eps_high=5.0,
+                                   aggregation='seq_mean_token_mean')
   per_token = -adv * logp  # ratio 1 everywhere (mu == logp)
   rows = [per_token[b][mask[b]].mean() for b in range(len(mask)) if mask[b].any()]
   np.testing.assert_allclose(loss, np.mean(rows), rtol=1e-5)
@@ -178,14 +162,8 @@ def test_ppo_keeps_gradient_where_dis_drops_it():
       lp, old, adv, np.ones((1, 2)), eps_low=0.2, eps_high=0.2)[0])(logp)
   np.testing.assert_allclose(grad, [[-0.25, 0.0]], rtol=1e-6)  # -A r / N
   with pytest.raises(ValueError, match='dual_clip must be > 1'):
-    losses.ppo_policy_loss(
-        logp,
-        old,
-        adv,
-        np.ones((1, 2)),
-        eps_low=0.2,
-        eps_high=0.2,
-        dual_clip=0.5)
+    losses.ppo_policy_loss(logp, old, adv, np.ones((1, 2)), eps_low=0.2,
+                           eps_high=0.2, dual_clip=0.5)
 
 
 @pytest.mark.parametrize('clip', [None, 0.2])
@@ -373,8 +351,6 @@ def test_reference_kl_leaves_out_nonfinite_tokens_and_clamps_k3(estimator):
   # verl's clamp: a log-ratio of 30 counts as 20, and k3 as at most 10.
   one = np.ones((1, 1), bool)
   far = losses.reference_kl(
-      np.zeros((1, 1), np.float32),
-      np.full((1, 1), 30.0, np.float32),
-      one,
+      np.zeros((1, 1), np.float32), np.full((1, 1), 30.0, np.float32), one,
       estimator=estimator)
   np.testing.assert_allclose(far, -30.0 if estimator == 'k1' else 10.0)

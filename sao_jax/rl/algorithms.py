@@ -278,16 +278,10 @@ def _dis_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   del prox_logp_BxT  # the ratio is against the engine's own mu
   cfg = config.policy_loss
   return dis_loss_api.dis_policy_loss(
-      logp_BxT,
-      batch.behavior_logprobs_BxT,
-      adv_BxT,
-      batch.action_mask_BxT,
-      eps_low=cfg.eps_low,
-      eps_high=cfg.eps_high,
-      aggregation=cfg.aggregation,
+      logp_BxT, batch.behavior_logprobs_BxT, adv_BxT, batch.action_mask_BxT,
+      eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
       segment_ids=batch.segment_ids_BxT,
-      implementation=config.kernels.implementation,
-      mesh=mesh)
+      implementation=config.kernels.implementation, mesh=mesh)
 
 
 def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
@@ -298,15 +292,9 @@ def _ppo_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT, mesh):
   old_BxT, weights_BxT = OLD_POLICIES[cfg.old_logprobs].select(
       prox_logp_BxT, batch, cfg)
   loss, metrics = losses.ppo_policy_loss(
-      logp_BxT,
-      old_BxT,
-      adv_BxT,
-      mask,
-      eps_low=cfg.eps_low,
-      eps_high=cfg.eps_high,
-      dual_clip=cfg.dual_clip or None,
-      aggregation=cfg.aggregation,
-      token_weights=weights_BxT,
+      logp_BxT, old_BxT, adv_BxT, mask, eps_low=cfg.eps_low,
+      eps_high=cfg.eps_high, dual_clip=cfg.dual_clip or None,
+      aggregation=cfg.aggregation, token_weights=weights_BxT,
       segment_ids=batch.segment_ids_BxT)
   if weights_BxT is not None:
     count = jnp.maximum(jnp.sum(mask), 1)
@@ -416,13 +404,9 @@ def policy_loss(config, logp_BxT, batch, adv_BxT, prox_logp_BxT=None,
     loss = loss + cfg.behavior_kl_coef * kl
     metrics['behavior_kl_penalty'] = kl
   if cfg.ref_kl_coef:
-    kl = losses.reference_kl(
-        logp_BxT,
-        ref_logp_BxT,
-        mask,
-        estimator=cfg.ref_kl_estimator,
-        aggregation=cfg.aggregation,
-        segment_ids=segments)
+    kl = losses.reference_kl(logp_BxT, ref_logp_BxT, mask,
+                             estimator=cfg.ref_kl_estimator,
+                             aggregation=cfg.aggregation, segment_ids=segments)
     loss = loss + cfg.ref_kl_coef * kl
     metrics['ref_kl'] = kl
   if cfg.entropy_coef:

@@ -48,16 +48,11 @@ def gae_inputs(seed, batch=6, length=300, dtype=jnp.float32):
 @pytest.mark.parametrize('gamma', [1.0, 0.95])
 def test_gae_matches_reference(implementation, dtype, gamma):
   rewards, values, mask, lam = gae_inputs(0, dtype=DTYPES[dtype][0])
-  got = kernels.skip_observation_gae(
-      rewards,
-      values,
-      mask,
-      gamma=gamma,
-      lam=lam,
-      implementation=implementation,
-      block_t=128)
-  want = advantages.skip_observation_gae(
-      rewards, values, mask, gamma=gamma, lam=lam)
+  got = kernels.skip_observation_gae(rewards, values, mask, gamma=gamma,
+                                     lam=lam, implementation=implementation,
+                                     block_t=128)
+  want = advantages.skip_observation_gae(rewards, values, mask, gamma=gamma,
+                                         lam=lam)
   for g, w in zip(got, want):
     assert g.dtype == jnp.float32 and g.shape == w.shape
     # Both upcast bf16 inputs to f32: the results agree to f32 rounding.
@@ -119,23 +114,12 @@ def test_dis_kernel_zero_gradient_outside_band_and_empty_batch():
   logp = jnp.log(jnp.array([[0.5, 1.0, 7.0]]))
   for sign in (1.0, -1.0):
     grad = jax.grad(lambda lp: kernels.dis_policy_loss(
-        lp,
-        mu,
-        jnp.full((1, 3), sign),
-        jnp.ones((1, 3)),
-        eps_low=0.3,
-        eps_high=5.0,
-        implementation='pallas')[0])(
-            logp)
+        lp, mu, jnp.full((1, 3), sign), jnp.ones((1, 3)), eps_low=0.3,
+        eps_high=5.0, implementation='pallas')[0])(logp)
     np.testing.assert_allclose(grad, [[0.0, -sign / 3, 0.0]], rtol=1e-6)
   z = jnp.zeros((2, 5))
   loss, metrics = kernels.dis_policy_loss(
-      z,
-      z,
-      z,
-      jnp.zeros((2, 5)),
-      eps_low=0.3,
-      eps_high=5.0,
+      z, z, z, jnp.zeros((2, 5)), eps_low=0.3, eps_high=5.0,
       implementation='pallas')
   assert loss == 0.0 and metrics['num_tokens'] == 0.0
   assert metrics['ratio_min'] == 1.0 and metrics['ratio_max'] == 1.0
@@ -205,16 +189,11 @@ def test_config_switches_implementation_with_identical_results():
     config_lib.validate(config, num_devices=1)
     (loss, _), grad = jax.value_and_grad(
         lambda lp, c=config: kernels.dis_policy_loss(
-            lp,
-            mu,
-            adv,
-            mask,
-            eps_low=c.policy_loss.eps_low,
+            lp, mu, adv, mask, eps_low=c.policy_loss.eps_low,
             eps_high=c.policy_loss.eps_high,
             aggregation=c.policy_loss.aggregation,
             implementation=c.kernels.implementation),
-        has_aux=True)(
-            logp)
+        has_aux=True)(logp)
     adv_gae, _ = kernels.skip_observation_gae(
         adv, logp, mask, gamma=config.advantage.gamma, lam=0.9,
         implementation=config.kernels.implementation)
@@ -284,17 +263,11 @@ def test_gae_reference_packed_is_gae_of_each_trajectory_alone(gamma):
 def test_gae_packed_matches_reference(implementation, per_token_lambda):
   rewards, values, mask, lam_BxT, ids = packed_gae_inputs(7)
   lam = lam_BxT if per_token_lambda else lam_BxT[:, 0]
-  got = kernels.skip_observation_gae(
-      rewards,
-      values,
-      mask,
-      gamma=0.95,
-      lam=lam,
-      segment_ids=ids,
-      implementation=implementation,
-      block_t=128)
-  want = advantages.skip_observation_gae(
-      rewards, values, mask, gamma=0.95, lam=lam, segment_ids=ids)
+  got = kernels.skip_observation_gae(rewards, values, mask, gamma=0.95, lam=lam,
+                                     segment_ids=ids,
+                                     implementation=implementation, block_t=128)
+  want = advantages.skip_observation_gae(rewards, values, mask, gamma=0.95,
+                                         lam=lam, segment_ids=ids)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
   # Without the segment ids the recursion would run across trajectories.
   unsegmented = advantages.skip_observation_gae(
@@ -314,14 +287,8 @@ def test_dis_reference_packed_is_the_mean_over_trajectories():
   ids = packed_segments(np.random.default_rng(8), 6, 300)
   mask = mask & (ids > 0)
   loss, _ = losses.dis_policy_loss(
-      logp,
-      mu,
-      adv,
-      mask,
-      eps_low=0.3,
-      eps_high=5.0,
-      aggregation='seq_mean_token_mean',
-      segment_ids=ids)
+      logp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+      aggregation='seq_mean_token_mean', segment_ids=ids)
   ratio = np.exp(np.asarray(logp, np.float64) - np.asarray(mu, np.float64))
   keep = (ratio > 0.7) & (ratio < 6.0)
   term = np.where(keep, -ratio * np.asarray(adv) * np.asarray(logp), 0.0)
@@ -365,27 +332,14 @@ def test_packed_kernels_per_shard_match_one_call():
   ids = packed_segments(np.random.default_rng(10), 64, 128)
   mask = mask & (ids > 0)
   dis = lambda lp, **kw: kernels.dis_policy_loss(
-      lp,
-      mu,
-      adv,
-      mask,
-      eps_low=0.3,
-      eps_high=5.0,
-      aggregation='seq_mean_token_mean',
-      segment_ids=ids,
-      implementation='pallas',
-      **kw)[0]
+      lp, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+      aggregation='seq_mean_token_mean', segment_ids=ids,
+      implementation='pallas', **kw)[0]
   chex.assert_trees_all_close(
       jax.value_and_grad(lambda lp: dis(lp, mesh=mesh))(logp),
       jax.value_and_grad(dis)(logp), rtol=1e-5, atol=1e-7)
   rewards, values = logp, mu
   gae = lambda **kw: kernels.skip_observation_gae(
-      rewards,
-      values,
-      mask,
-      gamma=1.0,
-      lam=jnp.where(mask, 0.9, 0.0),
-      segment_ids=ids,
-      implementation='pallas',
-      **kw)
+      rewards, values, mask, gamma=1.0, lam=jnp.where(mask, 0.9, 0.0),
+      segment_ids=ids, implementation='pallas', **kw)
   chex.assert_trees_all_close(gae(mesh=mesh), gae(), rtol=1e-6)

@@ -32,16 +32,9 @@ def gae(rewards, values, mask, lam):
 def dis_value_and_grad(logp, mu, adv, mask):
   return jax.value_and_grad(
       lambda x: kernels.dis_policy_loss(
-          x,
-          mu,
-          adv,
-          mask,
-          eps_low=0.3,
-          eps_high=5.0,
-          implementation='pallas',
-          interpret=False),
-      has_aux=True)(
-          logp)
+          x, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+          implementation='pallas', interpret=False),
+      has_aux=True)(logp)
 
 
 @pytest.mark.parametrize('topology', TOPOLOGIES)
@@ -62,32 +55,18 @@ def test_kernels_compile_for_tpu(topology, dtype):
 
 
 def packed_gae(rewards, values, mask, lam_BxT, segment_ids):
-  return kernels.skip_observation_gae(
-      rewards,
-      values,
-      mask,
-      gamma=1.0,
-      lam=lam_BxT,
-      segment_ids=segment_ids,
-      implementation='pallas',
-      interpret=False)
+  return kernels.skip_observation_gae(rewards, values, mask, gamma=1.0,
+                                      lam=lam_BxT, segment_ids=segment_ids,
+                                      implementation='pallas', interpret=False)
 
 
 def packed_dis_value_and_grad(logp, mu, adv, mask, segment_ids):
   return jax.value_and_grad(
       lambda x: kernels.dis_policy_loss(
-          x,
-          mu,
-          adv,
-          mask,
-          eps_low=0.3,
-          eps_high=5.0,
-          aggregation='seq_mean_token_mean',
-          segment_ids=segment_ids,
-          implementation='pallas',
-          interpret=False),
-      has_aux=True)(
-          logp)
+          x, mu, adv, mask, eps_low=0.3, eps_high=5.0,
+          aggregation='seq_mean_token_mean', segment_ids=segment_ids,
+          implementation='pallas', interpret=False),
+      has_aux=True)(logp)
 
 
 @pytest.mark.parametrize('topology', TOPOLOGIES)

@@ -57,14 +57,8 @@ def dis_policy_loss(logp: chex.Array, behavior_logp: chex.Array,
   name, interpret_off_tpu = dispatch.resolve(implementation)
   if name == 'xla':
     return reference.dis_policy_loss(
-        logp,
-        behavior_logp,
-        advantages,
-        mask,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        aggregation=aggregation,
-        segment_ids=segment_ids)
+        logp, behavior_logp, advantages, mask, eps_low=eps_low,
+        eps_high=eps_high, aggregation=aggregation, segment_ids=segment_ids)
   if aggregation not in masked_tokens.AGGREGATIONS:
     raise ValueError(f'dis_policy_loss: unknown aggregation {aggregation!r};'
                      f' expected one of {masked_tokens.AGGREGATIONS}')

@@ -56,13 +56,9 @@ def skip_observation_gae(rewards: chex.Array, values: chex.Array,
   """
   name, interpret_off_tpu = dispatch.resolve(implementation)
   if name == 'xla':
-    return reference.skip_observation_gae(
-        rewards,
-        values,
-        action_mask,
-        gamma=gamma,
-        lam=lam,
-        segment_ids=segment_ids)
+    return reference.skip_observation_gae(rewards, values, action_mask,
+                                          gamma=gamma, lam=lam,
+                                          segment_ids=segment_ids)
   interpret = interpret_off_tpu if interpret is None else interpret
   where = 'skip_observation_gae'
   mask, gamma, lam = reference.check_gae_inputs(where, rewards, values,
