@@ -40,6 +40,7 @@ from sao_jax.models import pretrained
 from sao_jax.models import sampling
 from sao_jax.rollout import batching
 from sao_jax.rollout import system as rollout_system
+from sao_jax.rollout import wire
 
 _log = logging.getLogger(__name__)
 
@@ -118,8 +119,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   # weights for the critic.
   learner = learner_lib.Learner(config, model, mesh, init_state=not resume)
   vocab_size = model.config.vocab_size
-  experts = (model.config.num_layers, model.config.num_experts_per_tok,
-             model.config.num_experts)
+  routing = wire.RoutingLayout.for_config(model.config)
   # From here on the learner state holds the weights: the loaded model's own
   # buffers would be one more resident copy of the policy.
   del model
@@ -150,7 +150,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   try:
     rollouts = rollout_system.RolloutSystem(
         config, workdir, tok, env, ledger, vocab_size,
-        batch_size, step, restart, stop_flag, experts=experts)
+        batch_size, step, restart, stop_flag, routing=routing)
     if resume and host.get('queue'):
       rollouts.load_state_dict(host['queue'])
     env.on_policy_step(step)

@@ -47,6 +47,7 @@ from sao_jax.models import transformer
 from sao_jax.rl import advantages
 from sao_jax.rl import algorithms
 from sao_jax.rl import logprob_parity
+from sao_jax.rollout import wire
 
 _F32 = jnp.float32
 class Learner:
@@ -76,9 +77,8 @@ class Learner:
     self.logits_chunk = config.model.logits_chunk_size
     # An MoE policy's batches carry the engine's routing records: each
     # token's experts, R = layers x k of them (`types.TrainBatch`).
-    moe_config = policy.config
-    self.routing_width = (moe_config.num_layers * moe_config.num_experts_per_tok
-                          if moe_config.num_experts else 0)
+    self.routing_width = wire.RoutingLayout.for_config(
+        policy.config).ids_per_token
     self.replay = model_config.MOE_ROUTINGS[
         config.model.get('moe_routing', 'learn')]
     self.actor_tx = optimizers.make(
@@ -118,6 +118,9 @@ class Learner:
     # [B, T, R] fields: as [B, T], the last axis whole.
     self.token_record_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(*self.batch_sharding.spec, None))
+    # A batch field's sharding by its rank (`types.field_rank`).
+    self._sharding_by_rank = {1: self.row_sharding, 2: self.batch_sharding,
+                              3: self.token_record_sharding}
     self._param_shardings = {
         name: sharding.state_shardings(params, mesh, rules)
         for name, params in (('policy', policy_params),
@@ -265,10 +268,9 @@ class Learner:
                else name) for name in types.TRAIN_BATCH_DTYPES})
 
   def _batch_shardings(self) -> types.TrainBatch:
-    by_rank = {1: self.row_sharding, 2: self.batch_sharding,
-               3: self.token_record_sharding}
-    return jax.tree.map(lambda name: by_rank[types.field_rank(name)],
-                        self._batch_fields())
+    return jax.tree.map(
+        lambda name: self._sharding_by_rank[types.field_rank(name)],
+        self._batch_fields())
 
   def _with_routing_records(self, batch: types.TrainBatch) -> types.TrainBatch:
     """`batch` with the routing field the step expects: an MoE policy's
@@ -461,8 +463,7 @@ class Learner:
     return jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(
             jnp.take(x, rows, axis=0),
-            {1: self.row_sharding, 2: self.batch_sharding,
-             3: self.token_record_sharding}[x.ndim]),
+            self._sharding_by_rank[x.ndim]),
         data)
 
   def _train_step(self, state: types.LearnerState, batch):

@@ -57,7 +57,6 @@ from flax import nnx
 from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax.models import decoding
-from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
 from sao_jax.models import tokenizer as tokenizer_lib
@@ -229,7 +228,7 @@ class Engine(engine_api.Engine):
     self.config = config
     self.model_config = model.config
     # An MoE policy's steps carry each token's experts (routing replay).
-    self.routing = routing_layout(model.config)
+    self.routing = wire.RoutingLayout.for_config(model.config)
     self._tok = tok
     devices = jax.local_devices() if devices is None else devices
     self._mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=len(devices)),
@@ -591,7 +590,7 @@ def _generate(graphdef, params, stop_ids, cache_len, max_new, state, version,
       else jnp.zeros_like(emit_N)
   # Feed the token at its position; a slot whose cache is full stops after it.
   write_N = jnp.minimum(ds.positions, cache_len - 1)
-  layout = routing_layout(model.config)
+  layout = wire.RoutingLayout.for_config(model.config)
   logits_NxV, cache, routing = decoding.decode_step(
       model, ds.cache, tokens_N, write_N, with_routing=True)
   full_N = ds.positions + 1 >= cache_len
@@ -627,12 +626,6 @@ def _generate(graphdef, params, stop_ids, cache_len, max_new, state, version,
   # For the prefix cache: which rows this step left done, and the number of
   # tokens it sampled.
   return new, data, ~new.active, jnp.sum(emit_N.astype(jnp.int32))
-
-
-def routing_layout(cfg: model_config.ModelConfig) -> wire.RoutingLayout:
-  """How this policy's routing records travel (none for a dense one)."""
-  return wire.RoutingLayout.for_model(cfg.num_layers, cfg.num_experts_per_tok,
-                                      cfg.num_experts)
 
 
 def _pack_routing(experts_LxNx1xk, layout: wire.RoutingLayout):

@@ -37,6 +37,7 @@ from typing import Any
 from sao_jax import types
 from sao_jax.rollout import queue_books
 from sao_jax.rollout import trajectory_checks
+from sao_jax.rollout import wire
 
 # Lease and RolloutQueue are one unit split in two for the worker's API; a
 # lease's slot counts are a `queue_books.LeaseSlots` that only the books
@@ -144,7 +145,7 @@ class RolloutQueue:
                max_abs_reward: float | None = None,
                required_info: Mapping[str, type | tuple[type, ...]]
                | None = None,
-               routing: tuple[int, int] | None = None,
+               routing: wire.RoutingLayout = wire.RoutingLayout(),
                loop: asyncio.AbstractEventLoop | None = None,
                clock: Callable[[], float] = time.monotonic):
     """Creates an empty queue at learner and rollout version 0.
@@ -170,8 +171,8 @@ class RolloutQueue:
         have, for the keys the consumer of the batches reads (e.g.
         {'task_index': int}); a trajectory lacking one is rejected
         ('bad_info') rather than crashing the training loop later.
-      routing: `(R, E)`, an MoE policy's routing-record width and expert
-        count (`trajectory_checks.rejection_reason`); None for a dense one.
+      routing: an MoE policy's routing records
+        (`trajectory_checks.rejection_reason`); the default: a dense policy.
       loop: the event loop the workers run in. Needed only if the learner
         thread calls a `*_blocking` method before any coroutine of the queue
         ran in the loop (which binds it).
@@ -215,7 +216,7 @@ class RolloutQueue:
     # A copy: the caller's mapping changing later must not change the gate.
     self.required_info = (None if required_info is None else
                           dict(required_info))
-    self.routing = None if routing is None else tuple(routing)
+    self.routing = routing
     self._books = queue_books.Books(batch_size, max_staleness, group_size,
                                     capacity, notify=self._notify,
                                     clock=clock)

@@ -79,7 +79,7 @@ class RolloutSystem:
 
   def __init__(self, config, workdir: str, tok, env, ledger, vocab_size: int,
                batch_size: int, version: int, restart: int, stop_flag, *,
-               experts: tuple[int, int, int] = (0, 0, 0)):
+               routing: wire.RoutingLayout = wire.RoutingLayout()):
     """Starts the local servers (if any) and sets up queue and workers.
 
     Args:
@@ -95,13 +95,12 @@ class RolloutSystem:
       restart: how many times the run was restarted (folded into the local
         servers' sampling keys).
       stop_flag: `checkpointing`'s stop flag, polled in every wait.
-      experts: an MoE policy's (layers, experts per token, experts): its
-        servers record each token's experts (`wire.RoutingLayout`), which
-        the queue checks and batches carry; zeros for a dense policy.
+      routing: how an MoE policy's servers record each token's experts
+        (`wire.RoutingLayout.for_config`), which the queue checks and
+        batches carry; the default: a dense policy, no records.
     """
     r = config.rollout
     self._config = config
-    routing = wire.RoutingLayout.for_model(*experts)
     self._pad_id = tok.pad_id or 0
     # Packing runs on one process only (config_lib), so the learner's mesh
     # is config.mesh over this process's devices.
@@ -162,8 +161,7 @@ class RolloutSystem:
         logprob_tolerance=r.logprob_tolerance,
         max_abs_reward=r.max_abs_reward,
         required_info={'task_index': int},
-        routing=((routing.ids_per_token, experts[2])
-                 if routing.ids_per_token else None))
+        routing=routing)
     self._queue.set_learner_version(version)
     self._queue.set_rollout_version(version)
     self._rollout_version = version

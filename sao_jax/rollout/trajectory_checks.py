@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from sao_jax import types
+from sao_jax.rollout import wire
 
 # Why a trajectory was rejected; the queue's `stats()` has one
 # `rejected/<reason>` each. The last three are the queue's own group checks.
@@ -84,7 +85,8 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
                      max_abs_reward: float | None = None,
                      required_info: Mapping[str, type | tuple[type, ...]]
                      | None = None,
-                     routing: tuple[int, int] | None = None) -> str | None:
+                     routing: wire.RoutingLayout = wire.RoutingLayout()
+                     ) -> str | None:
   """Why `traj` cannot be trained on (one of `REJECT_REASONS`), or None.
 
   Never raises: a worker bug must cost its trajectory, not the queue. An
@@ -110,10 +112,10 @@ def rejection_reason(traj, *, vocab_size: int, max_length: int,
       bug); None bounds them by float32 only.
     required_info: info key -> the type (or tuple of types, as `isinstance`
       takes) its value must have; None requires no key.
-    routing: `(R, E)` of an MoE policy: a routing record, where there is one,
-      is `[L, R]` ints, each token's row all `types.NOT_RECORDED` or all
-      expert ids in [0, E). None: a dense policy, whose trajectories carry
-      none.
+    routing: an MoE policy's `wire.RoutingLayout` (R ids per token of E
+      experts): a routing record, where there is one, is `[L, R]` ints, each
+      token's row all `types.NOT_RECORDED` or all expert ids in [0, E). The
+      default, a dense policy: trajectories carry none.
   """
   try:
     return _reason(traj, vocab_size, max_length, newest_version,
@@ -178,13 +180,13 @@ def _routing_reason(record, length: int, routing) -> bool:
   """Whether a routing record is unusable (see `rejection_reason`)."""
   if record is None:
     return False
-  if routing is None or not isinstance(record, np.ndarray):
+  if not routing.ids_per_token or not isinstance(record, np.ndarray):
     return True
-  width, num_experts = routing
-  if record.dtype.kind not in 'iu' or record.shape != (length, width):
+  if (record.dtype.kind not in 'iu'
+      or record.shape != (length, routing.ids_per_token)):
     return True
   unset_L = np.all(record == types.NOT_RECORDED, axis=1)
-  valid_L = np.all((record >= 0) & (record < num_experts), axis=1)
+  valid_L = np.all((record >= 0) & (record < routing.num_experts), axis=1)
   return not np.all(unset_L | valid_L)
 
 

@@ -38,20 +38,31 @@ class RoutingLayout:
   Attributes:
     ids_per_token: R = layers x experts per token (0: a dense model, no
       record).
-    bits_per_id: 8 for up to 256 experts, 16 beyond.
+    num_experts: E, the experts of each layer (0: a dense model).
   """
   ids_per_token: int = 0
-  bits_per_id: int = 8
+  num_experts: int = 0
 
   @classmethod
   def for_model(cls, num_layers: int, experts_per_token: int,
                 num_experts: int) -> 'RoutingLayout':
     if not num_experts:
       return cls()
-    if num_experts > 2**16:
+    # Records are int16 from here to the batch (-1: not recorded).
+    if num_experts > 2**15:
       raise ValueError(f'{num_experts} experts do not fit a routing record')
-    return cls(num_layers * experts_per_token,
-               8 if num_experts <= 2**8 else 16)
+    return cls(num_layers * experts_per_token, num_experts)
+
+  @classmethod
+  def for_config(cls, cfg) -> 'RoutingLayout':
+    """The layout of a `models.model_config.ModelConfig`'s records."""
+    return cls.for_model(cfg.num_layers, cfg.num_experts_per_tok,
+                         cfg.num_experts)
+
+  @property
+  def bits_per_id(self) -> int:
+    """8 for up to 256 experts, 16 beyond."""
+    return 8 if self.num_experts <= 2**8 else 16
 
   @property
   def ids_per_column(self) -> int:

@@ -21,6 +21,7 @@ from sao_jax import types
 from sao_jax.rollout import batching
 from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import trajectory_checks
+from sao_jax.rollout import wire
 
 VOCAB = 50
 MAX_LEN = 16
@@ -1093,9 +1094,9 @@ def test_routing_records_are_checked_at_the_gate(kind):
   traj = fake_traj([2])
   record = np.full((traj.length, 4), types.NOT_RECORDED, np.int16)
   record[np.asarray(traj.action_mask)] = [0, 3, 1, 2]
-  routing = (4, 4)
+  routing = wire.RoutingLayout(4, 4)
   if kind == 'dense_run':
-    routing = None
+    routing = wire.RoutingLayout()
   elif kind == 'wrong_width':
     record = record[:, :2]
   elif kind == 'wrong_length':
