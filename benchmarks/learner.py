@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sao_jax import config_lib
+
+from sao_jax import recipe_checks
 from sao_jax import types
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import architectures
@@ -127,9 +129,9 @@ class SaoStep:
   def __init__(self, cfg, batch_rows, critic_steps, algorithm, batch,
                overrides, part='train'):
     config = sao_config(batch_rows, critic_steps, algorithm, overrides)
-    config_lib.validate(config)
+    recipe_checks.validate(config)
     policy = transformer.init_causal_lm(
-        cfg.replace(**config_lib.model_overrides(config)), seed=0)
+        cfg.replace(**model_config.overrides(config.model)), seed=0)
     mesh = learner_lib.mesh_from_config(config)
     self.learner = learner_lib.Learner(config, policy, mesh)
     self.state = self.learner.init_state()

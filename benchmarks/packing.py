@@ -19,7 +19,7 @@ in T = 64) are measured too: no two fit a row, so packing cannot gain there.
 
 For each length distribution it reports, over `--samples` sampled batches of
 N trajectories: the padding fraction one per row and packed into R rows
-(first-fit decreasing; `config_lib.default_packed_rows`, R = 3N / 8, and
+(first-fit decreasing; `batching.default_packed_rows`, R = 3N / 8, and
 `--rows`), how often a batch overflows R (then it takes N rows), and the
 fewest rows FFD needs (p50 / p95 / max). Then, on the tiny Qwen2 shape of
 benchmarks/learner.py (2 layers, d = 256), the median seconds of one full
@@ -44,7 +44,10 @@ import sao_jax  # pylint: disable=unused-import
 import jax  # pylint: disable=g-bad-import-order
 import numpy as np
 
-from sao_jax import config_lib
+
+from sao_jax.models import model_config
+
+from sao_jax import recipe_checks
 from sao_jax import types
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import transformer
@@ -179,9 +182,9 @@ def learner_speed(lengths: Lengths, num: int, rows: list[int], cfg, args,
   config = learner_benchmark.sao_config(num, 2)
   config.rollout.max_sequence_length = lengths.max_length
   config.rollout.max_target_length = max(lengths.max_length, 160)
-  config_lib.validate(config)
+  recipe_checks.validate(config)
   policy = transformer.init_causal_lm(
-      cfg.replace(**config_lib.model_overrides(config)), seed=0)
+      cfg.replace(**model_config.overrides(config.model)), seed=0)
   mesh = learner_lib.mesh_from_config(config)
   learner = learner_lib.Learner(config, policy, mesh)
   rng = np.random.default_rng(seed)
@@ -223,7 +226,7 @@ def run(args):
     dists = [QUICK]
   else:
     dists = [CALCULATOR, CHAIN_SUM]
-  default_rows = config_lib.default_packed_rows(args.num)  # on one device
+  default_rows = batching.default_packed_rows(args.num)  # on one device
   rows = sorted({default_rows, *(r for r in args.rows if r < args.num)})
   result = {'num_trajectories': args.num, 'default_rows': default_rows,
             'distributions': {}}

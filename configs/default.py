@@ -26,12 +26,18 @@ Paper symbols are named next to each field.
 import ml_collections
 
 from sao_jax import config_lib
+from sao_jax.envs import registry
 from sao_jax.rl import algorithms
 
 
 def get_config(arg=None):
   """Returns the default config; `arg` is "algorithm=<name>[,seed=<n>]"."""
   arg = config_lib.parse_arg(arg, algorithm='sao', seed=0)
+  if arg.algorithm not in algorithms.ALGORITHMS:
+    raise config_lib.ConfigError(
+        f'unknown algorithm {arg.algorithm!r}; expected one of'
+        f' {", ".join(algorithms.ALGORITHMS)}'
+        f'{config_lib.did_you_mean(arg.algorithm, algorithms.ALGORITHMS)}')
   c = ml_collections.ConfigDict()
   c.algorithm = arg.algorithm  # sao | grpo | grpo_dis | vapo | running_mean | ppo
   c.seed = arg.seed  # RNG of rollout sampling and of sampled evaluation
@@ -84,76 +90,21 @@ def get_config(arg=None):
   # pretrained with 0.001) added to the policy loss; 0 leaves it out.
   c.model.router_aux_loss_coef = 0.0
 
-  # The task: a reasoning-gym dataset name, or arith_chain_sum |
-  # arith_countdown | calculator (multi-turn tool use) | humaneval (code in a
-  # sandbox) | jsonl (local prompts through TFDS).
-  c.task = ml_collections.ConfigDict()
-  c.task.name = 'chain_sum'  # the task (the list above)
-  c.task.seed = 0  # which problems the task generates, and their order
+  # The task: its name, seed, answer format and held-out count, and a section
+  # of options per environment, `task.<name>` (each environment's own, listed
+  # in docs/configuration.md): arith_chain_sum | arith_countdown | calculator
+  # (multi-turn tool use) | humaneval (code in a sandbox) | jsonl (local
+  # prompts through TFDS) | word_target (the tiny model's task); any other
+  # name is a reasoning-gym dataset, whose options are `task.reasoning_gym`.
+  c.task = registry.task_config(name='chain_sum', seed=0,
+                                answer_format='plain', held_out=200)
   # reasoning-gym dataset parameters (the demo: 2 one-digit terms).
   #   min_terms: fewest terms of a chain sum
   #   max_terms: most terms of a chain sum
   #   min_digits: fewest digits of a term
   #   max_digits: most digits of a term
-  c.task.dataset_kwargs = ml_collections.ConfigDict(
+  c.task.reasoning_gym.dataset_kwargs = ml_collections.ConfigDict(
       dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))
-  c.task.answer_format = 'plain'  # plain | tagged | none (prompt instruction)
-  c.task.partial_credit = False  # reasoning-gym's partial scores as reward
-  c.task.num_terms = 2  # arith_chain_sum / calculator operands
-  c.task.digits = 3  # arith_chain_sum / calculator operand digits
-  c.task.held_out = 200  # eval problems (questions excluded from training)
-  # The calculator task (multi-turn tool use):
-  #   operators: binary operators of the problems, from '+-*'
-  #   max_turns: model turns per episode
-  #   max_calls_per_turn: tool calls answered per turn; more get an error
-  #   tool_delay_median_s: median simulated latency of a turn with calls
-  #   tool_delay_sigma: lognormal sigma of that latency
-  #   tool_delay_max_s: cap on one delay
-  c.task.calculator = ml_collections.ConfigDict(dict(
-      operators='+*', max_turns=4, max_calls_per_turn=4,
-      tool_delay_median_s=0.0, tool_delay_sigma=1.0,
-      tool_delay_max_s=0.0))  # heavy-tailed simulated tool latency; 0: none
-  c.task.humaneval_eval_size = 40  # HumanEval problems held out for eval
-  c.task.humaneval_max_turns = 1  # attempts; failed tests are fed back
-  # The sandbox that runs model-written code (humaneval):
-  #   mode: auto | root | userns | none (isolation; auto: best available)
-  #   timeout_s: wall-clock seconds before a run is killed
-  #   cpu_s: CPU seconds per process
-  #   memory_mb: address space per process
-  #   max_file_mb: largest file a run may write
-  #   max_procs: processes and threads of a run
-  #   max_concurrent_runs: sandboxed programs running at once
-  c.task.sandbox = ml_collections.ConfigDict(dict(
-      mode='auto', timeout_s=10.0, cpu_s=10, memory_mb=1024, max_file_mb=16,
-      max_procs=32, max_concurrent_runs=0))  # 0: one per CPU
-  # Local prompts (task.name = 'jsonl'):
-  #   path: the JSONL file of questions and answers
-  #   scorer: math_verify | exact | numeric
-  #   eval_fraction: share of questions held out (by hash) for eval
-  #   eval_path: a separate eval JSONL file instead; '': none
-  #   cache_dir: where the prepared data goes; '': ~/.cache/sao_jax
-  c.task.jsonl = ml_collections.ConfigDict(dict(
-      path='', scorer='math_verify', eval_fraction=0.1, eval_path='',
-      cache_dir=''))
-  # word_target (the tiny model's task) options; the defaults are the plain
-  # single-turn task that rewards even-numbered words.
-  c.task.word_target = ml_collections.ConfigDict(dict(
-      switch_steps=(),  # policy steps where the target parity flips; (): none
-      turns=1,  # model turns per episode (max_turns); > 1: multi-turn
-      observation_words=6,  # words of the user turn between replies
-      delay_median_s=0.0,  # median simulated latency of a turn; 0: none
-      delay_sigma=1.0,  # lognormal sigma of that latency (heavy tail)
-      delay_max_s=0.0,  # cap on one delay; 0: none
-      # Replies the reward counts: all (pooled) | first (the first reply
-      # only, rewarded at the end: credit must cross the observations).
-      scored_reply='all'))
-  # Online learning (SAO.md §5): the rewarded answer format switches.
-  #   enabled: wrap the task in the switching reward
-  #   formats: the rewarded answer format of each phase
-  #   switch_steps: policy steps where the next phase starts
-  c.task.nonstationary = ml_collections.ConfigDict(dict(
-      enabled=False, formats=('statement', 'equation', 'statement'),
-      switch_steps=(100, 200)))
 
   c.total_steps = 22  # policy steps of the run
   c.batch_size = 16  # B: trajectories per policy step (prompts x G)
@@ -483,69 +434,8 @@ def get_config(arg=None):
       enabled=False, coordinator_address='', num_processes=-1, process_id=-1,
       local_device_ids=''))
 
-  _apply_algorithm_presets(c)
+  # The algorithm's presets (SAO.md §3): `algorithms.ALGORITHMS`, where each
+  # baseline's settings are written down beside its parts.
+  config_lib.apply_presets(
+      c, algorithms.ALGORITHMS[c.algorithm].config_presets())
   return c
-
-
-def _apply_algorithm_presets(c):
-  """Sampling, estimator, loss and update schedule of the paper's baselines.
-
-  SAO.md §3, each run the way its paper and its peers run it:
-    sao: 1 rollout, skip-observation GAE with a critic, DIS (the defaults).
-    grpo: vanilla GRPO with clip-higher: G = 8 samples per prompt (paper
-      16 x 8), group-normalised reward, PPO clip 0.2 / 0.28 against the
-      recomputed old policy (`old_logprobs=recompute`, the GRPO paper's and
-      verl's), M = 4 mini-batches per batch (verl's default ratio), no KL
-      (`policy_loss.ref_kl_coef` adds GRPO's reference KL).
-    grpo_dis: GRPO's groups and advantages with SAO's DIS loss, E = M = 1.
-    vapo: VAPO (arXiv 2504.05118) as far as sao_jax has it: G = 8 samples per
-      prompt (VAPO's group sampling; SAO.md's table runs it with 1, set
-      `group_size=1`), decoupled GAE (lambda_critic = 1, length-adaptive
-      lambda_policy with alpha = 0.05), clip-higher 0.2 / 0.28 against the
-      recomputed old policy, token-level loss, value pretraining, M = 4 for
-      the actor and the critic (verl's), value clip 0.5, whitened advantages,
-      attention trained. Not included: VAPO's positive-example LM loss and
-      its 50-step critic warm-up.
-    running_mean: 1 rollout, reward minus the question's running mean, DIS.
-    ppo: classic PPO: fixed lambda for actor and critic, symmetric clip 0.2,
-      no value pretraining, M = 4 for actor and critic, value clip 0.5,
-      whitened advantages (verl's PPO).
-  """
-  if c.algorithm not in algorithms.ALGORITHMS:
-    raise config_lib.ConfigError(
-        f'unknown algorithm {c.algorithm!r}; expected one of'
-        f' {", ".join(algorithms.ALGORITHMS)}')
-  if c.algorithm in ('grpo', 'grpo_dis', 'vapo'):
-    # G (GRPO paper: 16 prompts x 8). VAPO's group sampling is VAPO's own
-    # technique, kept here; SAO's comparison row with one rollout per
-    # prompt is the same preset with `--config.group_size=1`.
-    c.group_size = 8
-  if c.algorithm in ('grpo', 'grpo_dis'):
-    c.advantage.estimator = 'grpo'
-  if c.algorithm == 'running_mean':
-    c.advantage.estimator = 'running_mean'
-  if c.algorithm in ('grpo', 'vapo', 'ppo'):
-    c.policy_loss.name = 'ppo'
-    c.policy_loss.old_logprobs = 'recompute'
-    c.policy_loss.eps_low = 0.2
-    # Clip-higher (DAPO, VAPO) for the LLM baselines; symmetric for plain PPO.
-    c.policy_loss.eps_high = 0.2 if c.algorithm == 'ppo' else 0.28
-    # With one step per batch a clip against a recomputed old policy never
-    # acts (the ratio is exactly 1): peers take several (verl: 4).
-    c.optim.policy_minibatches = 4
-  if c.algorithm in ('vapo', 'ppo'):
-    # Critics as verl runs them: the actor's E passes of M mini-batches
-    # (4 critic optimizer steps per batch, as the actor's), attention
-    # trained, value clip 0.5, whitened GAE advantages.
-    c.critic.steps_per_policy_step = c.optim.policy_epochs
-    c.critic.minibatches = 0  # follows optim.policy_minibatches
-    c.critic.frozen_attention = False
-    c.critic.value_clip = 0.5
-    c.advantage.normalize = True
-  if c.algorithm == 'vapo':
-    c.advantage.alpha = 0.05  # VAPO's length-adaptive alpha
-  if c.algorithm == 'ppo':
-    # Classic PPO: fixed lambda for actor and critic, no value pretraining.
-    c.advantage.adaptive_lambda = False
-    c.critic.lam = c.advantage.lam
-    c.critic.pretrain_steps = 0

@@ -133,6 +133,7 @@ print('sao_jax from', os.path.dirname(sao_jax.__file__), '| recipes in', REPO)
 import jax
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 
 if TINY:
   config = config_lib.load_config(str(REPO / 'configs' / 'tiny.py'))
@@ -164,7 +165,7 @@ else:
     # model's chat template may make the prompt longer: the defaults stay.
     config.rollout.max_prefill_length = 64
     config.rollout.max_target_length = 80
-config_lib.validate(config)
+recipe_checks.validate(config)
 print(f'{config.algorithm} on {config.model.source} / {config.task.name}:'
       f' {config.total_steps} steps of {config.batch_size} trajectories,'
       f' {config.task.held_out} held-out problems; devices: {jax.devices()}')

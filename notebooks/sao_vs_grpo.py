@@ -31,9 +31,11 @@
 # per run on a CPU. `MODEL = 'smollm2'` is SmolLM2-135M-Instruct on
 # reasoning-gym's one-digit chain sums, the README's main job: about 10
 # minutes per run on two CPU cores for the settings below. The repository's
-# README (Evidence) reports SAO and GRPO tied per trajectory on the toy task,
-# over several seeds; one seed of a short run is a demonstration, not
-# evidence.
+# BENCHMARKS.md ("Algorithms at an equal trajectory budget") measures them
+# over several seeds: on the toy task GRPO as verl runs it (4 mini-batches
+# per batch) is ahead of SAO per trajectory, and GRPO with SAO's one-step
+# schedule is level with it; on SmolLM2 the three are level. One seed of a
+# short run is a demonstration, not evidence.
 #
 # This notebook is generated from `notebooks/sao_vs_grpo.py` (jupytext); edit
 # the script, not the `.ipynb`.
@@ -128,6 +130,7 @@ print('sao_jax from', os.path.dirname(sao_jax.__file__), '| recipes in', REPO)
 import jax
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 
 
 def make_config(algorithm):
@@ -146,7 +149,7 @@ def make_config(algorithm):
     config.total_steps = 12
     config.task.held_out = 100
     config.eval.every = 4
-  config_lib.validate(config)
+  recipe_checks.validate(config)
   return config
 
 

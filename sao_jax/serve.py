@@ -34,6 +34,7 @@ from absl import flags
 
 from sao_jax import config_lib
 from sao_jax import process_memory
+from sao_jax import recipe_checks
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import server as server_lib
@@ -71,8 +72,8 @@ def main(argv: Sequence[str]) -> None:
     _stop_with_parent(_PARENT_PID.value)
   jetstream_compat.quiet_orchestrator_logs()
   config = _CONFIG.value
-  config_lib.validate(config)
-  config_lib.check_inputs(config, task=False)
+  recipe_checks.validate(config)
+  recipe_checks.check_inputs(config, task=False)
   secret = weight_sync.read_secret(config.rollout.admin_secret_file or None)
   weights_root = (os.path.abspath(_WEIGHTS_ROOT.value) if _WEIGHTS_ROOT.value
                   else None)

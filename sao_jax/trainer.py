@@ -27,6 +27,7 @@ from sao_jax import distributed
 from sao_jax import evaluation
 from sao_jax import host_gather
 from sao_jax import process_memory
+from sao_jax import recipe_checks
 from sao_jax import stop_signal
 from sao_jax.envs import registry
 from sao_jax.envs import task_ledger
@@ -36,6 +37,7 @@ from sao_jax.logs import metrics_log
 from sao_jax.logs import plots
 from sao_jax.logs import progress as progress_lib
 from sao_jax.logs import train_metrics
+from sao_jax.models import model_config
 from sao_jax.models import pretrained
 from sao_jax.models import sampling
 from sao_jax.rollout import batching
@@ -82,8 +84,8 @@ def _check_before_start(config, workdir: str) -> None:
   allows no device query before the join).
   """
   distributed.initialize(config.distributed)
-  config_lib.validate(config)
-  config_lib.check_inputs(config)
+  recipe_checks.validate(config)
+  recipe_checks.check_inputs(config)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise config_lib.ConfigError(f'--workdir={workdir} is a file, not a'
                                  ' directory')
@@ -99,7 +101,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
                                      is_chief=chief)
   memory = train_metrics.MemoryPhases()
   model, tok = pretrained.from_pretrained(
-      config.model.source, **config_lib.model_overrides(config))
+      config.model.source, **model_config.overrides(config.model))
   memory.mark('model_load')
   env = registry.make(config.task)
   held_out = evaluation.held_out_tasks(env, config.task.held_out)
@@ -126,13 +128,11 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   # The run owns the learner state; every step donates it and returns the
   # next one.
   state = None
-  slots = train_metrics.PromptSlots(config.advantage.running_mean_slots)
   meta: dict[str, Any] = {}
   if resume:
     state, meta = ckpt.restore(abstract_state=learner.abstract_state)
     host = _host_metadata(meta)
     ledger.load_state_dict(host['ledger'])
-    slots.load_state_dict(meta['prompt_slots'])
     _log.info('resumed from step %d', int(state.step))
   else:
     state = learner.init_state()
@@ -151,6 +151,8 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     rollouts = rollout_system.RolloutSystem(
         config, workdir, tok, env, ledger, vocab_size,
         batch_size, step, restart, stop_flag, routing=routing)
+    if resume:
+      rollouts.prompt_slots.load_state_dict(meta['prompt_slots'])
     if resume and host.get('queue'):
       rollouts.load_state_dict(host['queue'])
     env.on_policy_step(step)
@@ -164,7 +166,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       before = evaluation.EvalResult(**meta['eval_before'])
     if step == 0 and learner.uses_critic and not meta.get('pretrained'):
       state = _pretrain_critic(learner, state, rollouts, config, logger,
-                               slots, ledger)
+                               ledger)
       memory.mark('pretrain')
     if step < config.total_steps:
       # While the rollouts generate the first batch (batch_rows per process).
@@ -179,8 +181,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
     while step < config.total_steps:
       try:
         with tracker.phase('wait'):
-          trajectories, batch = rollouts.next_batch(
-              config.rollout.get_batch_timeout_s)
+          batch = rollouts.next_batch(config.rollout.get_batch_timeout_s)
       except stop_signal.StopRequested:
         stopped = True
         break
@@ -192,12 +193,9 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
         # What the write's threads freed stays resident in their arenas,
         # under the step's own buffers: 0.5 GiB more at the demo's peak.
         process_memory.return_free_pages()
-        batch = batch.replace(
-            slot_ids_N=slots.trajectory_ids(trajectories))
-        trained = host_gather.allgather_json(
-            sorted(int(t.info['task_index']) for t in trajectories))
+        trained = host_gather.allgather_json(sorted(batch.task_indices))
         state, device_metrics = learner.train_step(
-            state, learner.device_batch(batch))
+            state, learner.device_batch(batch.train_batch))
         # Step n-1's metrics are read while step n runs (nanodo's order).
         records.flush()
         jax.block_until_ready(state.step)
@@ -216,9 +214,10 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
           except stop_signal.StopRequested:
             stopped = True  # the step is done: log and save it below
         memory.mark('weight_push')
-      metrics.update(train_metrics.batch_metrics(trajectories, step))
-      metrics['batch/rows'] = batch.tokens_BxT.shape[0]
-      metrics['batch/padding_fraction'] = batching.padding_fraction(batch)
+      metrics.update(train_metrics.batch_metrics(batch.trajectories, step))
+      metrics['batch/rows'] = batch.train_batch.tokens_BxT.shape[0]
+      metrics['batch/padding_fraction'] = batching.padding_fraction(
+          batch.train_batch)
       metrics.update(_data_metrics(
           trained, host_gather.allgather_json(
               ledger.state_dict()['stream']['cursor'])))
@@ -229,7 +228,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       metrics.update(tracker.metrics())
       metrics.update(memory.metrics())
       records.add(step, device_metrics, metrics,
-                  [step - 1 - t.oldest_version for t in trajectories])
+                  [step - 1 - t.oldest_version for t in batch.trajectories])
       if config.eval.every and step % config.eval.every == 0 and (
           step < config.total_steps) and not stopped:
         records.flush()
@@ -242,7 +241,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       # Colab quickstart, an engine decoding in this process).
       if ((step < config.total_steps or stopped) and
           ckpt.due(step, force=stopped) and ckpt.save(
-              step, state, _metadata(config, ledger, slots, rollouts, before,
+              step, state, _metadata(config, ledger, rollouts, before,
                                      restart), force=stopped)):
         memory.mark('checkpoint')
       if stopped:
@@ -252,7 +251,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       # Nothing to do when this step was saved in the loop.
       if ckpt.due(step, force=True):
         ckpt.save(step, state, _metadata(
-            config, ledger, slots, rollouts, before, restart), force=True)
+            config, ledger, rollouts, before, restart), force=True)
       progress.print_line(f'stop requested: saved step {step}')
     else:
       # The rollouts stopped, then the last step saved and written, before
@@ -260,7 +259,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
       # checkpoint write nor rollout workers, nor does the write run beside
       # the workers. Overlapped, the end of the run was its peak (the demo's
       # learner: 5.54 GiB, its steps 5.10; BENCHMARKS.md).
-      metadata = _metadata(config, ledger, slots, rollouts, before, restart)
+      metadata = _metadata(config, ledger, rollouts, before, restart)
       rollouts.stop()
       rollouts = None
       ckpt.save(step, state, metadata, force=True)
@@ -291,8 +290,7 @@ def _run(config, workdir: str, stop_flag) -> RunResult:
   return RunResult(step, before, after, plot_path, stopped)
 
 
-def _metadata(config, ledger, slots, rollouts, before,
-              restart) -> dict[str, Any]:
+def _metadata(config, ledger, rollouts, before, restart) -> dict[str, Any]:
   """What a checkpoint keeps beside the state (a collective on several
   processes: orbax writes the metadata of process 0, so every host's data
   cursor and queue counters are gathered into it, under `hosts`)."""
@@ -300,7 +298,7 @@ def _metadata(config, ledger, slots, rollouts, before,
       'restart': restart,
       'hosts': host_gather.allgather_json({
           'ledger': ledger.state_dict(), 'queue': rollouts.state_dict()}),
-      'prompt_slots': slots.state_dict(),
+      'prompt_slots': rollouts.prompt_slots.state_dict(),
       'pretrained': True,
       'eval_before': (dataclasses.asdict(before) if before is not None
                       else None),
@@ -402,7 +400,7 @@ def _evaluate(learner, state, tok, env, tasks, config, logger, step,
   return result
 
 
-def _pretrain_critic(learner, state, rollouts, config, logger, slots, ledger):
+def _pretrain_critic(learner, state, rollouts, config, logger, ledger):
   """Value pretraining (SAO §1.3): regress the initial policy's returns.
 
   Batches come from the frozen initial policy (version 0: nothing is pushed).
@@ -418,13 +416,12 @@ def _pretrain_critic(learner, state, rollouts, config, logger, slots, ledger):
   cfg = config.critic
   plateau = train_metrics.Plateau(cfg.pretrain_patience, cfg.pretrain_min_delta)
   for i in range(cfg.pretrain_steps):
-    trajectories, batch = rollouts.next_batch(
-        config.rollout.get_batch_timeout_s)
-    batch = batch.replace(slot_ids_N=slots.trajectory_ids(trajectories))
-    state, m = learner.critic_step(state, learner.device_batch(batch))
+    batch = rollouts.next_batch(config.rollout.get_batch_timeout_s)
+    state, m = learner.critic_step(state, learner.device_batch(
+        batch.train_batch))
     # The policy does not move: keep the queue's staleness clock at 0.
     rollouts.set_learner_version(0)
-    ledger.mark_done({t.info['task_index'] for t in trajectories})
+    ledger.mark_done(set(batch.task_indices))
     m = train_metrics.host_metrics(m)
     stop = plateau.update(m.get('critic/r_squared', float('nan')))
     m = train_metrics.prefixed('pretrain', m)

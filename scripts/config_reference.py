@@ -6,7 +6,9 @@ r"""Writes docs/configuration.md, the reference of every config key.
 The page is generated from the recipe files, never edited by hand:
 
 - every key of `configs/default.py` (flattened as `section.key`), its default
-  from `get_config()`, and its meaning from the comments of `configs/default.py`:
+  from `get_config()`, and its meaning: an environment's options
+  (`task.<name>.*`) from the help of their `EnvSpec` (`registry.meanings`),
+  every other key from the comments of `configs/default.py`:
   the trailing `# ...` comment of the assignment, or the comment block right
   above it. Keys set in `ml_collections.ConfigDict(dict(key=value, ...))` take
   the trailing comment of their line (a comment ending a line of several keys
@@ -38,6 +40,7 @@ from typing import Any
 import ml_collections
 
 from sao_jax import config_lib
+from sao_jax.envs import registry
 from sao_jax.rl import algorithms
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,9 +357,23 @@ def missing_meanings(entries: dict[str, Entry], flat: dict[str, Any]) -> list[st
           if not (k in entries and entries[k].meaning)]
 
 
+def with_task_options(entries: dict[str, Entry]) -> dict[str, Entry]:
+  """`entries` with each environment's options (`registry.meanings`) placed
+  right after the `task` section's entry; the recipe's comments win."""
+  merged = {}
+  for path, entry in entries.items():
+    merged[path] = entry
+    if path == 'task':
+      for key, text in registry.meanings().items():
+        merged.setdefault(key, Entry(key, section=False, meaning=text))
+  merged.update({p: e for p, e in entries.items() if p.startswith('task.')})
+  return merged
+
+
 def render() -> str:
   """The text of docs/configuration.md."""
-  entries = parse_comments(os.path.join(REPO_ROOT, DEFAULT_CONFIG))
+  entries = with_task_options(
+      parse_comments(os.path.join(REPO_ROOT, DEFAULT_CONFIG)))
   default = flatten(_load(DEFAULT_CONFIG))
   keys = _ordered_keys(default, entries)
   out = []
@@ -427,8 +444,9 @@ def render() -> str:
   w('## Algorithm presets')
   w('')
   w('`--config=<recipe>:algorithm=<name>` applies the preset of a baseline of'
-    ' the paper (SAO.md §3) before any override; `configs/default.py`\'s'
-    ' `_apply_algorithm_presets` defines them. Changes from `algorithm=sao`:')
+    ' the paper (SAO.md §3) before any override; each is written beside the'
+    ' algorithm\'s parts, in `ALGORITHMS` of `sao_jax/rl/algorithms.py`.'
+    ' Changes from `algorithm=sao`:')
   sao = flatten(_load(f'{DEFAULT_CONFIG}:algorithm=sao'))
   for name in algorithms.ALGORITHMS:
     if name == 'sao':

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 from sao_jax.rl import advantages
 from sao_jax.rl import algorithms
 import test_learner as helpers  # tests/test_learner.py: tiny learner, batches
@@ -45,12 +46,12 @@ def test_unregistered_estimator_is_a_config_error():
   config = batch_mean_preset(helpers.make_config())
   with pytest.raises(config_lib.ConfigError,
                      match=r"config.advantage.estimator='batch_mean' is not"):
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
 
 
 def test_registered_estimator_trains_through_the_learner(batch_mean):
   config = batch_mean_preset(helpers.make_config(**{'mesh.data': 1}))
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
   learner = helpers.make_learner(config, jax.devices()[:1])
   assert not learner.uses_critic and learner.state.critic is None
 

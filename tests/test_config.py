@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 from sao_jax import sharding
 from sao_jax.rl import algorithms
+from sao_jax.rollout import batching
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
@@ -32,14 +34,14 @@ def test_config_files_document_their_command_and_validate(path):
   # A pod preset fixes its mesh (checked on its own device count); the rest
   # fill whatever there is (checked on the 8 test devices).
   devices = int(np.prod(sizes)) if min(sizes) > 0 else 8
-  mesh = config_lib.validate(config, num_devices=devices)
+  mesh = recipe_checks.validate(config, num_devices=devices)
   assert int(np.prod(list(mesh.values()))) == devices
 
 
 @pytest.mark.parametrize('algorithm', list(algorithms.ALGORITHMS))
 def test_every_algorithm_preset_is_valid(algorithm):
   config = default(f'algorithm={algorithm}')
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
   want = algorithms.ALGORITHMS[algorithm]
   assert config.policy_loss.name == want.loss
   assert config.advantage.estimator == want.estimator
@@ -93,7 +95,7 @@ def test_validate_names_the_bad_key(key, value, message):
     node = node[part]
   node[field] = value
   with pytest.raises(config_lib.ConfigError, match=message) as info:
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
   assert '\n' not in str(info.value)
 
 
@@ -101,12 +103,12 @@ def test_validate_names_the_bad_key(key, value, message):
 def test_deltas_need_the_streamed_transport():
   config = default()
   config.rollout.weight_delta = 'sparse'
-  config_lib.validate(config, num_devices=8)
+  recipe_checks.validate(config, num_devices=8)
   config.rollout.weight_transport = 'files'
   with pytest.raises(config_lib.ConfigError,
                      match='weight_delta=.sparse. needs config.rollout'
                      '.weight_transport=stream'):
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
 
 
 def test_queue_capacity_is_checked_against_each_hosts_share():
@@ -116,16 +118,16 @@ def test_queue_capacity_is_checked_against_each_hosts_share():
   with pytest.raises(config_lib.ConfigError,
                      match=r'queue_capacity=8 must be 0 or >= config.batch_size'
                      r' / hosts = 16'):
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
   config.distributed.enabled = True
   config.distributed.coordinator_address = 'localhost:1234'
   config.distributed.num_processes = 2
   config.distributed.process_id = 0
-  config_lib.validate(config, num_devices=8)  # 8 >= 16 / 2
+  recipe_checks.validate(config, num_devices=8)  # 8 >= 16 / 2
   config.rollout.queue_capacity = 7
   with pytest.raises(config_lib.ConfigError, match=r'>= config.batch_size'
                      r' / hosts = 8'):
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
 
 
 @pytest.mark.parametrize('key, value, message', [
@@ -144,22 +146,29 @@ def test_word_target_options_are_validated(key, value, message):
   config.task.name = 'word_target'
   config.task.word_target[key] = value
   with pytest.raises(config_lib.ConfigError, match=message) as info:
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
   assert '\n' not in str(info.value)
   config.task.name = 'chain_sum'  # another task ignores the options
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
 
 
-def test_word_target_multi_turn_needs_a_request_per_episode():
+@pytest.mark.parametrize('task, options', [
+    ('word_target', {'turns': 2, 'switch_steps': (10, 20)}),
+    ('calculator', {'max_turns': 2}),
+])
+def test_a_multi_turn_task_needs_a_request_per_episode(task, options):
+  # The rule is the registry's (any EnvSpec's max_turns), not one task's.
   config = default('algorithm=grpo')
-  config.task.name = 'word_target'
-  config.task.word_target.turns = 2
-  config.task.word_target.switch_steps = (10, 20)
-  config_lib.validate(config, num_devices=1)
+  config.task.name = task
+  config.task[task].update(options)
+  recipe_checks.validate(config, num_devices=1)
   config.rollout.group_in_one_request = True
   with pytest.raises(config_lib.ConfigError,
-                     match=r'turns=2 needs separate requests per episode'):
-    config_lib.validate(config, num_devices=1)
+                     match=rf"config.task.name='{task}' plays up to 2 turns,"
+                     ' which need separate requests per episode'):
+    recipe_checks.validate(config, num_devices=1)
+  config.task[task][next(iter(options))] = 1  # one turn: one request is fine
+  recipe_checks.validate(config, num_devices=1)
 
 
 def test_skip_observations_defaults_to_sao_gae():
@@ -167,14 +176,14 @@ def test_skip_observations_defaults_to_sao_gae():
     assert default(f'algorithm={algorithm}').advantage.skip_observations
   config = default()
   config.advantage.skip_observations = False  # naive GAE, the ablation
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
 
 def test_validate_reports_every_problem_on_one_line():
   config = default()
   config.policy_loss.eps_low = 2.0
   config.critic.steps_per_policy_step = 0
   with pytest.raises(config_lib.ConfigError) as info:
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
   text = str(info.value)
   assert 'eps_low' in text and 'steps_per_policy_step' in text
   assert '\n' not in text
@@ -187,9 +196,9 @@ def test_cudnn_attention_needs_unpacked_rows():
   config.task.word_target.turns = 3  # 'auto' packs multi-turn episodes
   with pytest.raises(config_lib.ConfigError,
                      match="attention='cudnn' attends each row as one"):
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
   config.batching.pack_sequences = 'off'
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
 
 
 def test_a_sequence_axis_must_split_the_rows_evenly():
@@ -199,21 +208,21 @@ def test_a_sequence_axis_must_split_the_rows_evenly():
   with pytest.raises(config_lib.ConfigError,
                      match=r'max_sequence_length=150 must be a multiple of'
                      r' config.mesh.sequence=4'):
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
   config.rollout.max_sequence_length = 152
-  assert config_lib.validate(config, num_devices=8)['sequence'] == 4
+  assert recipe_checks.validate(config, num_devices=8)['sequence'] == 4
 
 
 def test_mesh_must_fit_the_devices():
   config = default()
   config.mesh.tensor = 3
   with pytest.raises(config_lib.ConfigError, match='multiple of 3 devices'):
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
   config.mesh.data, config.mesh.tensor = 4, 4
   with pytest.raises(config_lib.ConfigError, match='needs 16 devices, but there are 8'):
-    config_lib.validate(config, num_devices=8)
+    recipe_checks.validate(config, num_devices=8)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, -1, 2
-  assert config_lib.validate(config, num_devices=8) == dict(
+  assert recipe_checks.validate(config, num_devices=8) == dict(
       data=2, fsdp=2, expert=1, sequence=1, tensor=2)
 
 
@@ -221,11 +230,11 @@ def test_grpo_needs_groups_and_algorithm_must_match_its_parts():
   config = default('algorithm=grpo')
   config.group_size = 1
   with pytest.raises(config_lib.ConfigError, match='needs groups of at least 2'):
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
   config = default()
   config.algorithm = 'grpo'
   with pytest.raises(config_lib.ConfigError, match=r'algorithm=grpo\) so that'):
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
 
 
 def test_parse_arg_types_and_unknown_keys():

@@ -68,11 +68,13 @@ def test_check_flag(tmp_path, monkeypatch, capsys):
 
 
 def test_every_key_has_a_meaning(default_keys):
-  entries = ref.parse_comments(os.path.join(ref.REPO_ROOT, ref.DEFAULT_CONFIG))
+  entries = ref.with_task_options(
+      ref.parse_comments(os.path.join(ref.REPO_ROOT, ref.DEFAULT_CONFIG)))
   missing = ref.missing_meanings(entries, default_keys)
   assert not missing, (
-      'keys without a comment in configs/default.py (add a trailing # comment,'
-      ' or a "#   key: meaning" line above a ConfigDict(dict(...))): '
+      'keys without a meaning: add a trailing # comment in configs/default.py,'
+      ' or a "#   key: meaning" line above a ConfigDict(dict(...)); an'
+      " environment's option gets its meaning from its EnvSpec's Option: "
       + ', '.join(missing))
 
 

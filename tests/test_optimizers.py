@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 from sao_jax.learner import optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,8 +123,8 @@ def test_an_unknown_mu_dtype_is_a_config_error():
   config = config_lib.load_config(os.path.join(ROOT, 'configs', 'default.py'))
   config.optim.critic.mu_dtype = 'float16'
   with pytest.raises(config_lib.ConfigError, match='optim.critic.mu_dtype'):
-    config_lib.validate(config)
+    recipe_checks.validate(config)
   config.optim.critic.mu_dtype = 'float32'
   config.optim.actor.schedule = 'linear'
   with pytest.raises(config_lib.ConfigError, match='optim.actor.schedule'):
-    config_lib.validate(config)
+    recipe_checks.validate(config)

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 from sao_jax import types
 from sao_jax.learner import learner as learner_lib
 from sao_jax.models import critic as critic_lib
@@ -135,7 +136,7 @@ def test_packed_batch_trains_like_one_trajectory_per_row(algorithm,
                                                          changes):
   config = make_config(algorithm, **{'kernels.implementation': implementation,
                                      **changes})
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
   unpacked, packed = both_layouts(trajectories(1))
   got = step_quantities(config, packed)
   want = step_quantities(config, unpacked)
@@ -197,7 +198,7 @@ def test_learner_step_is_the_same_packed_and_micro_batched():
   differ between the layouts.)"""
   config = make_config('sao', **{'optim.microbatches': 2,
                                  'critic.steps_per_policy_step': 1})
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
   model, _ = tiny.make(seed=1)
   mesh = learner_lib.mesh_from_config(config, jax.devices()[:1])
   learner = learner_lib.Learner(config, model, mesh)
@@ -278,24 +279,24 @@ def test_bad_packing_input_is_a_clear_error():
 def test_auto_packs_multi_turn_tasks_only():
   config = make_config()
   assert config.batching.pack_sequences == 'auto'
-  assert not config_lib.packs(config)  # word_target, one turn
+  assert not batching.packs(config)  # word_target, one turn
   config.task.word_target.turns = 3
-  assert config_lib.packs(config)
+  assert batching.packs(config)
   one_device = {'data': 1, 'fsdp': 1, 'tensor': 1}
-  assert config_lib.packed_rows(config, one_device) == 3  # 3/8 of 8
+  assert batching.packed_rows(config, one_device) == 3  # 3/8 of 8
   config.optim.microbatches = 2  # rows: a multiple of 2 from each shard
-  assert config_lib.packed_rows(config, one_device) == 4
-  assert config_lib.packed_rows(config, {'data': 8, 'fsdp': 1,
+  assert batching.packed_rows(config, one_device) == 4
+  assert batching.packed_rows(config, {'data': 8, 'fsdp': 1,
                                          'tensor': 1}) == 8  # at most N
   config.batching.packed_rows = 6
-  assert config_lib.packed_rows(config, one_device) == 6
+  assert batching.packed_rows(config, one_device) == 6
   config.task.word_target.turns = 1
   config.batching.pack_sequences = 'on'
-  assert config_lib.packs(config)
+  assert batching.packs(config)
   default = config_lib.load_config(os.path.join(ROOT, 'configs', 'default.py'))
-  assert not config_lib.packs(default)  # the demo's single-turn chain sums
+  assert not batching.packs(default)  # the demo's single-turn chain sums
   default.task.name = 'calculator'
-  assert config_lib.packs(default)
+  assert batching.packs(default)
 
 
 @pytest.mark.parametrize('changes,message', [
@@ -312,4 +313,4 @@ def test_auto_packs_multi_turn_tasks_only():
 def test_bad_packing_config_is_a_config_error(changes, message):
   config = make_config(**changes)
   with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)

@@ -417,3 +417,28 @@ class Countdown(base.Environment):
         done=True, reward=float(correct),
         info={'correct': correct, 'answer': expression,
               'expected': task.answer, 'reason': reason})
+
+
+def check_operands(check) -> None:
+  """`num_terms` >= 2 and `digits` >= 1 (a config_lib.Checker, scoped)."""
+  if check.positive_int('num_terms') == 1:
+    check.problem(f'{check.name("num_terms")}=1 must be >= 2')
+  check.positive_int('digits')
+
+
+def _chain_sum(task, options) -> ChainSum:
+  return ChainSum(num_terms=options.num_terms, digits=options.digits,
+                  seed=task.seed, answer_format=task.answer_format)
+
+
+def _countdown(task, options) -> Countdown:
+  del options
+  return Countdown(seed=task.seed, answer_format=task.answer_format)
+
+
+CHAIN_SUM_SPEC = base.EnvSpec(
+    build=_chain_sum,
+    options={'num_terms': base.Option(2, 'operands of a problem (>= 2)'),
+             'digits': base.Option(3, 'digits of each operand (>= 1)')},
+    check=check_operands)
+COUNTDOWN_SPEC = base.EnvSpec(build=_countdown)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import ml_collections
 
 SPLITS = ('train', 'eval')
 
@@ -96,3 +99,68 @@ class Environment(abc.ABC):
   def on_policy_step(self, step: int) -> None:
     """Told the learner's policy step (non-stationary environments use it)."""
     del step
+
+
+class Option(NamedTuple):
+  """One option of an environment: its default and what it means."""
+  default: Any
+  help: str
+
+
+def _single_turn(options) -> int:
+  del options
+  return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+  """What a config needs of one environment (`registry.ENVIRONMENTS`).
+
+  The environment's options are `config.task.<name>`, exactly the keys of
+  `options`; `config.task` itself holds only what every task has (name,
+  seed, answer_format, held_out, the nonstationary wrapper).
+
+  Attributes:
+    build: `build(task, options) -> Environment`, with `task` the config's
+      `task` section and `options` its `task.<name>` section.
+    options: name -> `Option`, or a nested mapping of them (a sub-section).
+    check: `check(checker)` of the options beyond their types (which the
+      locked config enforces), the `config_lib.Checker` scoped to the
+      options' section; None: no more to check.
+    max_turns: `max_turns(options)`, the most model turns of one episode
+      (`batching.pack_sequences='auto'` packs tasks of more than one).
+    check_inputs: `check_inputs(options, section) -> [problem]` about the
+      files a run reads, checked on the machine that reads them; `section`
+      is the options' dotted path, to name keys by.
+  """
+  build: Callable[[Any, Any], Environment]
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  check: Callable[[Any], None] | None = None
+  max_turns: Callable[[Any], int] = _single_turn
+  check_inputs: Callable[[Any, str], list[str]] | None = None
+
+
+
+def option_defaults(options: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A config section of `options` (name -> `Option` or a nested mapping)
+  at their defaults."""
+  return ml_collections.ConfigDict(_defaults(options))
+
+
+def option_meanings(options: Mapping[str, Any],
+                    prefix: str = '') -> dict[str, str]:
+  """`{prefix + dotted option: help}`, for the configuration reference."""
+  return dict(_meanings(options, prefix))
+
+
+def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
+  return {key: (value.default if isinstance(value, Option)
+                else _defaults(value)) for key, value in options.items()}
+
+
+def _meanings(options: Mapping[str, Any], prefix: str):
+  for key, value in options.items():
+    if isinstance(value, Option):
+      yield prefix + key, value.help
+    else:
+      yield from _meanings(value, f'{prefix}{key}.')

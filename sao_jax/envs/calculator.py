@@ -162,3 +162,44 @@ class CalculatorEnvironment(base.Environment):
         await asyncio.sleep(delay)
       result.info['tool_latency_s'] = delay
     return result
+
+
+def _build(task, options) -> CalculatorEnvironment:
+  return CalculatorEnvironment(
+      num_terms=options.num_terms, digits=options.digits,
+      operators=options.operators, max_turns=options.max_turns,
+      max_calls_per_turn=options.max_calls_per_turn, seed=task.seed,
+      tool_delay_median_s=options.tool_delay_median_s,
+      tool_delay_sigma=options.tool_delay_sigma,
+      tool_delay_max_s=options.tool_delay_max_s or None)
+
+
+def _check(check) -> None:
+  arithmetic.check_operands(check)
+  operators = check.get('operators')
+  if operators is not None and (not operators or set(operators) - set('+-*')):
+    check.problem(f'{check.name("operators")}={operators!r} must be some of'
+                  " '+-*'")
+  check.positive_int('max_turns')
+  check.positive_int('max_calls_per_turn')
+  check.non_negative('tool_delay_median_s')
+  check.non_negative('tool_delay_sigma')
+  check.non_negative('tool_delay_max_s')
+
+
+SPEC = base.EnvSpec(
+    build=_build, check=_check, max_turns=lambda options: options.max_turns,
+    options={
+        'num_terms': base.Option(2, 'operands of a problem (>= 2)'),
+        'digits': base.Option(3, 'digits of each operand'),
+        'operators': base.Option('+*', "binary operators of the problems,"
+                                 " from '+-*'"),
+        'max_turns': base.Option(4, 'model turns per episode'),
+        'max_calls_per_turn': base.Option(
+            4, 'tool calls answered per turn; more get an error'),
+        'tool_delay_median_s': base.Option(
+            0.0, 'median simulated latency of a turn with calls; 0: none'),
+        'tool_delay_sigma': base.Option(
+            1.0, 'lognormal sigma of that latency (heavy-tailed)'),
+        'tool_delay_max_s': base.Option(0.0, 'cap on one delay; 0: none'),
+    })

@@ -243,3 +243,46 @@ def _feedback(reason: str, stderr: str) -> str:
   tail = '\n'.join(stderr.strip().splitlines()[-_FEEDBACK_LINES:])
   return (f'The tests failed ({reason}):\n```\n{tail}\n```\n'
           'Fix the function and reply with it again.')
+
+
+def _build(task, options) -> HumanEvalEnvironment:
+  s = options.sandbox
+  return HumanEvalEnvironment(
+      eval_size=options.eval_size, seed=task.seed,
+      max_turns=options.max_turns, timeout_s=s.timeout_s,
+      memory_mb=s.memory_mb, max_concurrent_runs=s.max_concurrent_runs or None,
+      mode=None if s.mode == 'auto' else s.mode, cpu_s=s.cpu_s,
+      max_file_mb=s.max_file_mb, max_procs=s.max_procs)
+
+
+def _check(check) -> None:
+  check.closed_interval('eval_size', 0, 164)
+  check.positive_int('max_turns')
+  sandbox = check.scope('sandbox')
+  sandbox.choice('mode', ('auto', 'root', 'userns', 'none'))
+  sandbox.positive('timeout_s')
+  for key in ('cpu_s', 'memory_mb', 'max_file_mb', 'max_procs'):
+    sandbox.positive_int(key)
+  sandbox.non_negative_int('max_concurrent_runs')
+
+
+SPEC = base.EnvSpec(
+    build=_build, check=_check, max_turns=lambda options: options.max_turns,
+    options={
+        'eval_size': base.Option(40, 'problems held out for eval'),
+        'max_turns': base.Option(
+            1, 'attempts per episode; failed tests are fed back'),
+        # The sandbox that runs model-written code (sao_jax/sandbox).
+        'sandbox': {
+            'mode': base.Option('auto', 'isolation: auto | root | userns |'
+                                ' none (auto: the best available)'),
+            'timeout_s': base.Option(
+                10.0, 'wall-clock seconds before a run is killed'),
+            'cpu_s': base.Option(10, 'CPU seconds per process'),
+            'memory_mb': base.Option(1024, 'address space per process'),
+            'max_file_mb': base.Option(16, 'largest file a run may write'),
+            'max_procs': base.Option(32, 'processes and threads of a run'),
+            'max_concurrent_runs': base.Option(
+                0, 'sandboxed programs running at once; 0: one per CPU'),
+        },
+    })

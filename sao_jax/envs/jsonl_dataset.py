@@ -29,9 +29,6 @@ import logging
 import os
 from typing import Any
 
-import numpy as np
-import tensorflow_datasets as tfds
-
 from sao_jax import errors
 from sao_jax.envs import answers
 from sao_jax.envs import arithmetic
@@ -143,48 +140,6 @@ def in_eval(question: str, eval_fraction: float) -> bool:
   return int.from_bytes(digest[:8], 'big') / 2**64 < eval_fraction
 
 
-class JsonlPrompts(tfds.core.GeneratorBasedBuilder):
-  """TFDS builder of one JSONL prompt file (or a train/eval pair)."""
-
-  VERSION = tfds.core.Version('1.0.0')
-  RELEASE_NOTES = {'1.0.0': 'question, answer (JSON), id, metadata (JSON).'}
-  # TFDS looks for a download-checksums file next to a builder's source file;
-  # nothing is downloaded here, and finding that path for a builder inside a
-  # package needs `importlib_resources`, which TFDS 4.9 does not declare.
-  code_path = None
-
-  def __init__(self, *, splits: dict[str, list[Record]], **kwargs):
-    self._splits = splits
-    super().__init__(**kwargs)
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    text = tfds.features.Text()
-    return tfds.core.DatasetInfo(
-        builder=self,
-        description='Prompts from a local JSONL file.',
-        features=tfds.features.FeaturesDict({
-            'question': text, 'answer': text, 'id': text, 'metadata': text,
-            'line': tfds.features.Scalar(dtype=np.int64),
-        }),
-        # Keep file order: index i of a split is its i-th record.
-        disable_shuffling=True)
-
-  def _split_generators(self, dl_manager):
-    del dl_manager  # local files only: nothing is downloaded
-    return {name: self._generate_examples(records)
-            for name, records in self._splits.items()}
-
-  def _generate_examples(self, records):
-    for i, record in enumerate(records):
-      yield i, {
-          'question': record.question,
-          'answer': json.dumps(record.answer),
-          'id': record.id or '',
-          'metadata': json.dumps(record.metadata),
-          'line': record.line,
-      }
-
-
 def prepare(path: str, eval_fraction: float = 0.0, eval_path: str | None = None,
             cache_dir: str | None = None):
   """Builds (once) and opens the dataset; returns `{split: data source}`.
@@ -206,11 +161,14 @@ def prepare(path: str, eval_fraction: float = 0.0, eval_path: str | None = None,
   for p in (path, eval_path):
     key.update(b'-' if p is None else _file_digest(p).encode())
   key.update(f'{eval_fraction if eval_path is None else 0.0}'.encode())
-  key.update(str(JsonlPrompts.VERSION).encode())
+  # TFDS only now: it is slow to import, and a config check (which reads
+  # this module's SPEC) must not pay for it.
+  from sao_jax.envs import jsonl_tfds  # pylint: disable=g-import-not-at-top
+  key.update(str(jsonl_tfds.JsonlPrompts.VERSION).encode())
   data_dir = os.path.join(cache_dir or DEFAULT_CACHE_DIR,
                           key.hexdigest()[:20])
-  builder = JsonlPrompts(splits={}, data_dir=data_dir,
-                         file_format='array_record')
+  builder = jsonl_tfds.JsonlPrompts(splits={}, data_dir=data_dir,
+                                    file_format='array_record')
   if not builder.is_prepared():
     records = read_records(path)
     if eval_path is not None:
@@ -227,8 +185,8 @@ def prepare(path: str, eval_fraction: float = 0.0, eval_path: str | None = None,
                 'eval': [r for r in records
                          if in_eval(r.question, eval_fraction)]}
     splits = {name: rs for name, rs in splits.items() if rs}
-    builder = JsonlPrompts(splits=splits, data_dir=data_dir,
-                           file_format='array_record')
+    builder = jsonl_tfds.JsonlPrompts(splits=splits, data_dir=data_dir,
+                                      file_format='array_record')
     builder.download_and_prepare()
   return builder.as_data_source()
 
@@ -317,3 +275,48 @@ class JsonlEnvironment(base.Environment):
 
 def _text(value) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
+
+
+def _build(task, options) -> JsonlEnvironment:
+  if not options.path:
+    raise ValueError("config.task.jsonl.path must name a JSONL file when"
+                     " config.task.name='jsonl'")
+  return JsonlEnvironment(
+      options.path, scorer=options.scorer, eval_fraction=options.eval_fraction,
+      eval_path=options.eval_path or None, answer_format=task.answer_format,
+      cache_dir=options.cache_dir or None)
+
+
+def _check(check) -> None:
+  check.choice('scorer', SCORERS)
+  fraction = check.get('eval_fraction')
+  if fraction is not None and not (
+      isinstance(fraction, (int, float)) and 0 <= fraction < 1):
+    check.problem(f'{check.name("eval_fraction")}={fraction!r} must be in'
+                  ' [0, 1)')
+
+
+def _check_inputs(options, section: str) -> list[str]:
+  problems = []
+  if not options.path:
+    problems.append(f"config.{section}.path must name a JSONL file when"
+                    " config.task.name='jsonl'")
+  for key in ('path', 'eval_path'):
+    if options[key] and not os.path.isfile(options[key]):
+      problems.append(f'config.{section}.{key}={options[key]!r}: no such'
+                      ' file')
+  return problems
+
+
+SPEC = base.EnvSpec(
+    build=_build, check=_check, check_inputs=_check_inputs,
+    options={
+        'path': base.Option('', 'the JSONL file of questions and answers'),
+        'scorer': base.Option('math_verify', 'math_verify | exact | numeric'),
+        'eval_fraction': base.Option(
+            0.1, 'share of questions held out (by hash) for eval'),
+        'eval_path': base.Option(
+            '', "a separate eval JSONL file instead; '': none"),
+        'cache_dir': base.Option(
+            '', "where the prepared data goes; '': ~/.cache/sao_jax"),
+    })

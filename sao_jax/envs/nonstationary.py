@@ -119,3 +119,28 @@ class NonStationaryEnvironment(base.Environment):
     if not plain.done:
       return plain
     return self.step(task, turn, action_text)
+
+
+# `config.task.nonstationary`: the wrapper's options (any task can be wrapped).
+OPTIONS = {
+    'enabled': base.Option(False, 'wrap the task in the switching reward'),
+    'formats': base.Option(('statement', 'equation', 'statement'),
+                           'the rewarded answer format of each phase'),
+    'switch_steps': base.Option(
+        (100, 200), 'policy steps where the next phase starts'),
+}
+
+
+def check_options(check) -> None:
+  """`config.task.nonstationary` (a config_lib.Checker scoped to it)."""
+  formats = check.get('formats')
+  steps = check.get('switch_steps')
+  if formats is None or steps is None:
+    return
+  unknown = [f for f in formats if f not in FORMATS]
+  if unknown:
+    check.problem(f'{check.name("formats")}={tuple(formats)}: {unknown} not'
+                  f' among {", ".join(FORMATS)}')
+  if len(tuple(steps)) != len(tuple(formats)) - 1:
+    check.problem(f'{check.name("switch_steps")} needs one step fewer than'
+                  f' {check.name("formats")} (one per switch)')

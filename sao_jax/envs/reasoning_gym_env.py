@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 
-import reasoning_gym
-
 from sao_jax.envs import answers
 from sao_jax.envs import arithmetic
 from sao_jax.envs import base
@@ -69,6 +67,9 @@ class ReasoningGymEnvironment(base.Environment):
     self.name = dataset_name
     self.answer_format = answer_format
     self.partial_credit = partial_credit
+    # reasoning-gym only now: it takes seconds to import, and a config check
+    # (which reads this module's SPEC) must not pay for it.
+    import reasoning_gym  # pylint: disable=g-import-not-at-top
     self._datasets = {
         'train': reasoning_gym.create_dataset(
             dataset_name, seed=seed, size=size, **dataset_kwargs),
@@ -118,3 +119,21 @@ class ReasoningGymEnvironment(base.Environment):
         done=True, reward=reward,
         info={'correct': reward >= 1.0, 'answer': answer,
               'expected': task.answer})
+
+
+def _build(task, options) -> ReasoningGymEnvironment:
+  return ReasoningGymEnvironment(
+      task.name, seed=task.seed, answer_format=task.answer_format,
+      partial_credit=options.partial_credit, **dict(options.dataset_kwargs))
+
+
+# Every task name the registry does not own is a reasoning-gym dataset; they
+# share these options (`config.task.reasoning_gym`).
+SPEC = base.EnvSpec(
+    build=_build,
+    options={
+        'partial_credit': base.Option(
+            False, "reasoning-gym's partial scores as reward"),
+        'dataset_kwargs': base.Option(
+            {}, "the dataset's parameters (reasoning-gym's config of it)"),
+    })

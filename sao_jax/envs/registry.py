@@ -1,15 +1,51 @@
-"""Building the environment a config names (`config.task`)."""
+"""The environments a config can name (`config.task`), and building one.
+
+`ENVIRONMENTS` maps `config.task.name` to the environment's `base.EnvSpec`;
+every other name is a reasoning-gym dataset (`REASONING_GYM`). Each spec's
+options are the section `config.task.<name>` (reasoning-gym's:
+`config.task.reasoning_gym`), which `task_config` builds from the specs and
+`check_task` hands to the environment's own check. A new environment is its
+module, with a `SPEC`, and one line here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import ml_collections
+
+from sao_jax.envs import answers
 from sao_jax.envs import arithmetic
 from sao_jax.envs import base
 from sao_jax.envs import calculator
+from sao_jax.envs import humaneval_env
+from sao_jax.envs import jsonl_dataset
 from sao_jax.envs import nonstationary
+from sao_jax.envs import reasoning_gym_env
 from sao_jax.envs import word_target
-# Our own environments; any other name is a reasoning-gym dataset.
-OWN = ('arith_chain_sum', 'arith_countdown', 'calculator', 'humaneval',
-       'jsonl', 'word_target')
+
+ENVIRONMENTS: dict[str, base.EnvSpec] = {
+    'arith_chain_sum': arithmetic.CHAIN_SUM_SPEC,
+    'arith_countdown': arithmetic.COUNTDOWN_SPEC,
+    'calculator': calculator.SPEC,
+    'humaneval': humaneval_env.SPEC,
+    'jsonl': jsonl_dataset.SPEC,
+    'word_target': word_target.SPEC,
+}
+REASONING_GYM = 'reasoning_gym'  # the options section of the other names
+
+# The options of every task, beside each environment's section.
+_TASK_OPTIONS = {
+    'name': base.Option('chain_sum', 'the task: a name of ENVIRONMENTS'
+                        ' (sao_jax/envs/registry.py) or a reasoning-gym'
+                        ' dataset'),
+    'seed': base.Option(
+        0, 'which problems the task generates, and their order'),
+    'answer_format': base.Option(
+        'plain', 'plain | tagged | none (the prompt\'s answer instruction)'),
+    'held_out': base.Option(
+        200, 'eval problems (their questions excluded from training)'),
+}
 
 
 def reasoning_gym_names() -> tuple[str, ...]:
@@ -17,16 +53,99 @@ def reasoning_gym_names() -> tuple[str, ...]:
   return tuple(sorted(factory.DATASETS))
 
 
+def options_key(name: str) -> str:
+  """The section of `config.task` that holds the options of task `name`."""
+  return name if name in ENVIRONMENTS else REASONING_GYM
+
+
+def spec(name: str) -> base.EnvSpec:
+  """The `EnvSpec` of task `name` (reasoning-gym's for a name not ours)."""
+  return ENVIRONMENTS.get(name, reasoning_gym_env.SPEC)
+
+
 def check_name(name: str) -> str | None:
   """None if `name` is a known task, else a one-line problem naming it."""
-  if name in OWN:
+  if name in ENVIRONMENTS:
     return None
   known = reasoning_gym_names()
   if name in known:
     return None
-  return (f'config.task.name={name!r} is neither one of {OWN} nor a'
-          ' reasoning-gym dataset (e.g. chain_sum, countdown, basic_arithmetic,'
-          ' gsm_symbolic)')
+  return (f'config.task.name={name!r} is neither one of'
+          f' {tuple(ENVIRONMENTS)} nor a reasoning-gym dataset (e.g.'
+          ' chain_sum, countdown, basic_arithmetic, gsm_symbolic)')
+
+
+def task_config(**values) -> ml_collections.ConfigDict:
+  """`config.task`: every environment's options at their defaults.
+
+  Args:
+    **values: the task-wide options to set (name, seed, answer_format,
+      held_out); the others keep their defaults.
+  """
+  unknown = set(values) - set(_TASK_OPTIONS)
+  if unknown:
+    raise ValueError(f'unknown task options {sorted(unknown)}; known:'
+                     f' {sorted(_TASK_OPTIONS)}')
+  task = ml_collections.ConfigDict(
+      {key: values.get(key, option.default)
+       for key, option in _TASK_OPTIONS.items()})
+  for name, env_spec in _sections().items():
+    task[name] = base.option_defaults(env_spec.options)
+  task.nonstationary = base.option_defaults(nonstationary.OPTIONS)
+  return task
+
+
+def meanings() -> dict[str, str]:
+  """`{task.<option>: help}` of every option `task_config` builds."""
+  found = base.option_meanings(_TASK_OPTIONS, 'task.')
+  for name, env_spec in _sections().items():
+    found.update(base.option_meanings(env_spec.options, f'task.{name}.'))
+  found.update(base.option_meanings(nonstationary.OPTIONS,
+                                    'task.nonstationary.'))
+  return found
+
+
+def _sections() -> Mapping[str, base.EnvSpec]:
+  return dict(ENVIRONMENTS, **{REASONING_GYM: reasoning_gym_env.SPEC})
+
+
+def check_task(check) -> None:
+  """`config.task`: the task-wide options and the named task's own section.
+
+  Args:
+    check: a `config_lib.Checker` of the whole config.
+  """
+  name = check.get('task.name')
+  if name is not None:
+    problem = check_name(name)
+    if problem:
+      check.problem(problem)
+      name = None
+  check.non_negative_int('task.held_out')
+  check.choice('task.answer_format', answers.ANSWER_FORMATS)
+  nonstationary.check_options(check.scope('task.nonstationary'))
+  if name is None:
+    return
+  key = options_key(name)
+  if check.get(f'task.{key}') is None:
+    return
+  env_spec = spec(name)
+  if env_spec.check is not None:
+    env_spec.check(check.scope(f'task.{key}'))
+
+
+def max_turns(task) -> int:
+  """The most model turns of an episode of `task` (the config's section)."""
+  return spec(task.name).max_turns(task[options_key(task.name)])
+
+
+def check_inputs(task) -> list[str]:
+  """Problems with the files the task of `task` reads (none: [])."""
+  env_spec = spec(task.name)
+  if env_spec.check_inputs is None:
+    return []
+  key = options_key(task.name)
+  return env_spec.check_inputs(task[key], f'task.{key}')
 
 
 def make(task) -> base.Environment:
@@ -38,51 +157,7 @@ def make(task) -> base.Environment:
   problem = check_name(task.name)
   if problem:
     raise ValueError(problem)
-  if task.name == 'arith_chain_sum':
-    env = arithmetic.ChainSum(num_terms=task.num_terms, digits=task.digits,
-                              seed=task.seed,
-                              answer_format=task.answer_format)
-  elif task.name == 'arith_countdown':
-    env = arithmetic.Countdown(seed=task.seed, answer_format=task.answer_format)
-  elif task.name == 'calculator':
-    c = task.calculator
-    env = calculator.CalculatorEnvironment(
-        num_terms=task.num_terms, digits=task.digits, operators=c.operators,
-        max_turns=c.max_turns, max_calls_per_turn=c.max_calls_per_turn,
-        seed=task.seed, tool_delay_median_s=c.tool_delay_median_s,
-        tool_delay_sigma=c.tool_delay_sigma,
-        tool_delay_max_s=c.tool_delay_max_s or None)
-  elif task.name == 'humaneval':
-    from sao_jax.envs import humaneval_env  # pylint: disable=g-import-not-at-top
-    s = task.sandbox
-    env = humaneval_env.HumanEvalEnvironment(
-        eval_size=task.humaneval_eval_size, seed=task.seed,
-        max_turns=task.humaneval_max_turns, timeout_s=s.timeout_s,
-        memory_mb=s.memory_mb, max_concurrent_runs=s.max_concurrent_runs or None,
-        mode=None if s.mode == 'auto' else s.mode, cpu_s=s.cpu_s,
-        max_file_mb=s.max_file_mb, max_procs=s.max_procs)
-  elif task.name == 'word_target':
-    w = task.word_target
-    env = word_target.WordTarget(
-        seed=task.seed, switch_steps=tuple(w.switch_steps), turns=w.turns,
-        observation_words=w.observation_words,
-        delay_median_s=w.delay_median_s, delay_sigma=w.delay_sigma,
-        delay_max_s=w.delay_max_s or None, scored_reply=w.scored_reply)
-  elif task.name == 'jsonl':
-    from sao_jax.envs import jsonl_dataset  # pylint: disable=g-import-not-at-top
-    j = task.jsonl
-    if not j.path:
-      raise ValueError("config.task.jsonl.path must name a JSONL file when"
-                       " config.task.name='jsonl'")
-    env = jsonl_dataset.JsonlEnvironment(
-        j.path, scorer=j.scorer, eval_fraction=j.eval_fraction,
-        eval_path=j.eval_path or None, answer_format=task.answer_format,
-        cache_dir=j.cache_dir or None)
-  else:
-    from sao_jax.envs import reasoning_gym_env  # pylint: disable=g-import-not-at-top
-    env = reasoning_gym_env.ReasoningGymEnvironment(
-        task.name, seed=task.seed, answer_format=task.answer_format,
-        partial_credit=task.partial_credit, **dict(task.dataset_kwargs))
+  env = spec(task.name).build(task, task[options_key(task.name)])
   if task.nonstationary.enabled:
     env = nonstationary.NonStationaryEnvironment(
         env, formats=tuple(task.nonstationary.formats),

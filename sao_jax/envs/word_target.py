@@ -150,3 +150,49 @@ class WordTarget(base.Environment):
     if delay > 0:
       result.info['latency_s'] = delay
     return result
+
+
+def _build(task, options) -> WordTarget:
+  return WordTarget(
+      seed=task.seed, switch_steps=tuple(options.switch_steps),
+      turns=options.turns, observation_words=options.observation_words,
+      delay_median_s=options.delay_median_s, delay_sigma=options.delay_sigma,
+      delay_max_s=options.delay_max_s or None,
+      scored_reply=options.scored_reply)
+
+
+def _check(check) -> None:
+  check.positive_int('turns')
+  check.positive_int('observation_words')
+  check.non_negative('delay_median_s')
+  check.non_negative('delay_sigma')
+  check.non_negative('delay_max_s')
+  check.choice('scored_reply', SCORED_REPLIES)
+  steps = check.get('switch_steps')
+  if steps is not None:
+    steps = tuple(steps) if isinstance(steps, (tuple, list)) else (steps,)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+           for s in steps) or list(steps) != sorted(set(steps)):
+      check.problem(f'{check.name("switch_steps")}={steps} must be'
+                    ' strictly increasing policy steps >= 0')
+
+
+SPEC = base.EnvSpec(
+    build=_build, check=_check, max_turns=lambda options: options.turns,
+    options={
+        'switch_steps': base.Option(
+            (), 'policy steps where the target parity flips; (): none'),
+        'turns': base.Option(
+            1, 'model turns per episode (max_turns); > 1: multi-turn'),
+        'observation_words': base.Option(
+            6, 'words of the user turn between replies'),
+        'delay_median_s': base.Option(
+            0.0, 'median simulated latency of a turn; 0: none'),
+        'delay_sigma': base.Option(
+            1.0, 'lognormal sigma of that latency (heavy tail)'),
+        'delay_max_s': base.Option(0.0, 'cap on one delay; 0: none'),
+        'scored_reply': base.Option(
+            'all', 'replies the reward counts: all (pooled) | first (the'
+            ' first reply only, rewarded at the end: credit must cross the'
+            ' observations)'),
+    })

@@ -36,7 +36,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax import types
 from sao_jax.learner import optimizers
@@ -88,7 +87,7 @@ class Learner:
     # (K passes of M_c mini-batches per batch) and pretraining's (one
     # full-batch update per batch) share its state's structure.
     self.critic_passes = config.critic.steps_per_policy_step
-    self.critic_minibatches = config_lib.critic_minibatches(config)
+    self.critic_minibatches = algorithms.critic_minibatches(config)
     self.critic_tx = optimizers.make(
         config.optim.critic, config.total_steps,
         self.critic_passes * self.critic_minibatches)

@@ -36,7 +36,26 @@ _AFTER_WARMUP = {
     'cosine': lambda cfg, batches: optax.cosine_decay_schedule(
         cfg.learning_rate, max(batches - 1, 1), alpha=cfg.min_lr_ratio),
 }
-assert set(_AFTER_WARMUP) == set(config_lib.LR_SCHEDULES)
+LR_SCHEDULES = tuple(_AFTER_WARMUP)
+
+
+def check_config(check) -> None:
+  """`config.optim`: each role's optimiser, the actor's update schedule.
+
+  Args:
+    check: a `config_lib.Checker` of the whole config.
+  """
+  for role in ('actor', 'critic'):
+    optim = check.scope(f'optim.{role}')
+    optim.positive('learning_rate')
+    optim.non_negative_int('warmup_steps')
+    optim.positive('grad_clip_norm')
+    optim.choice('mu_dtype', config_lib.DTYPES)
+    optim.choice('schedule', LR_SCHEDULES)
+    optim.closed_interval('min_lr_ratio', 0.0, 1.0)
+  check.positive_int('optim.policy_epochs')
+  check.positive_int('optim.policy_minibatches')
+  check.positive_int('optim.microbatches')
 
 
 def schedule(cfg, total_batches: int) -> optax.Schedule:

@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax import config_lib
 from sao_jax.kernels.attention import api as attention_api
 
 ARCHITECTURES = {
@@ -307,3 +308,31 @@ def to_hf_config(config: ModelConfig) -> dict[str, Any]:
               norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
               mlp_only_layers=[])
   return hf
+
+
+# -- the config section this module owns (`config.model`) -----------------------
+
+
+def check_config(check) -> None:
+  """`config.model`'s settings (its source is checked with the inputs).
+
+  Args:
+    check: a `config_lib.Checker` of the whole config.
+  """
+  model = check.scope('model')
+  model.choice('dtype', config_lib.DTYPES)
+  model.choice('param_dtype', config_lib.DTYPES)
+  model.choice('logits_dtype', ('',) + config_lib.DTYPES)
+  model.choice('attention', ATTENTIONS)
+  model.choice('layer_loop', LAYER_LOOPS)
+  model.non_negative_int('logits_chunk_size')
+  model.choice('moe_routing', MOE_ROUTINGS)
+  model.non_negative('router_aux_loss_coef')
+
+
+def overrides(model) -> dict[str, Any]:
+  """The `ModelConfig` fields `config.model` sets (for `from_pretrained`)."""
+  return dict(dtype=model.dtype, param_dtype=model.param_dtype,
+              remat=model.remat, layer_loop=model.layer_loop,
+              logits_dtype=model.get('logits_dtype', ''),
+              attention=model.get('attention', 'auto'))

@@ -33,6 +33,25 @@ _TINY = {TINY_RANDOM: {}, TINY_RANDOM_MOE: {'experts': 4}}
 NAMED_MODELS = (SMOLLM2_135M_INSTRUCT, TINY_RANDOM, TINY_RANDOM_MOE)
 
 
+def source_problems(source: str) -> list[str]:
+  """What is wrong with `config.model.source` for a run that loads it: [] if
+  nothing (a named model, or a Hugging Face checkpoint directory)."""
+  if source.startswith('arch:'):
+    return [f'config.model.source={source!r} is an architecture without'
+            ' weights (for compiles only): set it to a Hugging Face'
+            ' checkpoint directory']
+  if source in NAMED_MODELS:
+    return []
+  if not os.path.isdir(source):
+    return [f'config.model.source={source!r}: no such directory (expected a'
+            ' Hugging Face checkpoint directory or one of'
+            f' {", ".join(NAMED_MODELS)})']
+  if not os.path.isfile(os.path.join(source, 'config.json')):
+    return [f'config.model.source={source!r} has no config.json (not a'
+            ' Hugging Face checkpoint directory)']
+  return []
+
+
 def from_pretrained(source: str, dtype: str = 'float32',
                     param_dtype: str | None = None, remat: bool = False,
                     layer_loop: str = 'auto', logits_dtype: str = '',

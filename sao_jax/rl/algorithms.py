@@ -9,11 +9,11 @@ policy loss, each chosen by name from a registry:
   OLD_POLICIES   `policy_loss.old_logprobs` -> `OldPolicy` (PPO's pi_old)
   ALGORITHMS     `algorithm` -> `Spec` (the estimator and loss it is made of)
 
-`config_lib.validate` checks a config against these keys, and the learner asks
+`check_config` checks a config against these keys, and the learner asks
 once, `algorithm = algorithms.resolve(config)`, for the parts and flags it
 needs; it branches on no name. A new estimator is one `Estimator` in
-`ESTIMATORS` (and an entry in `ALGORITHMS` with a preset in
-`configs/default.py` to name it); `tests/test_algorithms.py` adds one.
+`ESTIMATORS` (and an entry in `ALGORITHMS`, with its presets, to name it);
+`tests/test_algorithms.py` adds one.
 
 Alignment convention. Token t of a trajectory is predicted from the model's
 output at position t-1, so per-token quantities are shifted by one:
@@ -27,19 +27,20 @@ All functions are pure and jit-able; `batch` is always a `types.TrainBatch`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from sao_jax import masked_tokens
 from sao_jax.kernels.dis_loss import api as dis_loss_api
 from sao_jax.kernels.gae import api as gae_api
 from sao_jax.models import moe
 from sao_jax.models import sampling
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
-from sao_jax import masked_tokens
 
 _F32 = jnp.float32
 
@@ -314,28 +315,72 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 
 
 class Spec(NamedTuple):
-  """What an algorithm is made of: names in `ESTIMATORS` and `POLICY_LOSSES`.
+  """What an algorithm is made of, and the settings it is run with.
 
-  `configs/default.py` applies each algorithm's preset (these names among
-  its settings); `config_lib.validate` checks a config agrees with its spec.
+  Attributes:
+    estimator: its name in `ESTIMATORS`.
+    loss: its name in `POLICY_LOSSES`.
+    presets: dotted config key -> value, what the recipe's `algorithm=<name>`
+      sets (`config_lib.apply_presets`): sampling, clip widths, the update
+      schedule, as the algorithm's paper and its peers run it. The estimator
+      and loss are set from the fields above.
   """
   estimator: str
   loss: str
+  presets: Mapping[str, Any] = {}
 
   @property
   def critic(self) -> bool:
     """Whether the algorithm trains a critic (its estimator reads values)."""
     return ESTIMATORS[self.estimator].uses_critic
 
+  def config_presets(self) -> dict[str, Any]:
+    """Every key the algorithm sets, its estimator and loss included."""
+    return {'advantage.estimator': self.estimator,
+            'policy_loss.name': self.loss, **self.presets}
 
-# SAO.md §3: SAO and the paper's baselines.
+
+# The LLM baselines' PPO clip: clip-higher (DAPO, VAPO) against the
+# recomputed old policy. With one step per batch such a clip never acts (the
+# ratio is exactly 1), so they take M = 4 mini-batches per batch (verl's).
+_PPO_CLIP_HIGHER = {
+    'policy_loss.old_logprobs': 'recompute', 'policy_loss.eps_low': 0.2,
+    'policy_loss.eps_high': 0.28, 'optim.policy_minibatches': 4}
+# Critics as verl runs them: one optimizer step per actor step (the actor's
+# E = 1 pass of M mini-batches), attention trained, value clip 0.5,
+# whitened GAE advantages.
+_VERL_CRITIC = {
+    'critic.steps_per_policy_step': 1, 'critic.minibatches': 0,
+    'critic.frozen_attention': False, 'critic.value_clip': 0.5,
+    'advantage.normalize': True}
+
+# SAO.md §3: SAO and the paper's baselines, each run the way its paper and
+# its peers run it (docs/configuration.md lists what each preset changes).
 ALGORITHMS: dict[str, Spec] = {
+    # 1 rollout, skip-observation GAE with a critic, DIS: the defaults.
     'sao': Spec('skip_observation_gae', 'dis'),
-    'grpo': Spec('grpo', 'ppo'),
-    'grpo_dis': Spec('grpo', 'dis'),
-    'vapo': Spec('skip_observation_gae', 'ppo'),
+    # Vanilla GRPO with clip-higher: G = 8 samples per prompt (the GRPO
+    # paper: 16 x 8), group-normalised reward, no KL (policy_loss.ref_kl_coef
+    # adds GRPO's reference KL).
+    'grpo': Spec('grpo', 'ppo', {'group_size': 8, **_PPO_CLIP_HIGHER}),
+    # GRPO's groups and advantages with SAO's DIS loss, E = M = 1.
+    'grpo_dis': Spec('grpo', 'dis', {'group_size': 8}),
+    # VAPO (arXiv 2504.05118) as far as sao_jax has it: G = 8 (VAPO's group
+    # sampling; SAO.md's table runs it with group_size=1), decoupled GAE
+    # (lambda_critic = 1, length-adaptive lambda_policy with alpha = 0.05),
+    # token-level loss, value pretraining. Not included: VAPO's
+    # positive-example LM loss and its 50-step critic warm-up.
+    'vapo': Spec('skip_observation_gae', 'ppo', {
+        'group_size': 8, **_PPO_CLIP_HIGHER, **_VERL_CRITIC,
+        'advantage.alpha': 0.05}),
+    # 1 rollout, the reward minus the question's running mean, DIS.
     'running_mean': Spec('running_mean', 'dis'),
-    'ppo': Spec('skip_observation_gae', 'ppo'),
+    # Classic PPO (verl's): fixed lambda for actor and critic, symmetric
+    # clip 0.2, no value pretraining.
+    'ppo': Spec('skip_observation_gae', 'ppo', {
+        **_PPO_CLIP_HIGHER, 'policy_loss.eps_high': 0.2, **_VERL_CRITIC,
+        'advantage.adaptive_lambda': False, 'critic.lam': 0.95,
+        'critic.pretrain_steps': 0}),
 }
 
 
@@ -446,3 +491,85 @@ def batch_totals(mask_BxT, segment_ids_BxT):
   return {'tokens': jnp.sum(mask_BxT).astype(_F32),
           'segments': masked_tokens.num_segments(mask_BxT,
                                           segment_ids_BxT).astype(_F32)}
+
+
+# -- the config sections this module owns ---------------------------------------
+
+RUNNING_MEAN_SCOPES = ('prompt', 'global')
+ADVANTAGE_VALUES = ('pre_update', 'post_update')
+
+
+def critic_minibatches(config) -> int:
+  """M_c, the critic's mini-batches per pass: `critic.minibatches`, or (0)
+  the actor's `optim.policy_minibatches`."""
+  return (config.critic.get('minibatches', 1)
+          or config.optim.policy_minibatches)
+
+
+def row_minibatches(config) -> int:
+  """The mini-batch count every batch's rows must split into: the actor's
+  and (with a critic) the critic's."""
+  actor = config.optim.policy_minibatches
+  if not ESTIMATORS[config.advantage.estimator].uses_critic:
+    return actor
+  return math.lcm(actor, critic_minibatches(config))
+
+
+def check_config(check) -> None:
+  """`algorithm`, `advantage`, `policy_loss`, `critic` and `group_size`.
+
+  Args:
+    check: a `config_lib.Checker` of the whole config.
+  """
+  algorithm = check.choice('algorithm', ALGORITHMS)
+  estimator = check.choice('advantage.estimator', ESTIMATORS)
+  loss = check.choice('policy_loss.name', POLICY_LOSSES)
+  if algorithm and estimator and loss:
+    want = ALGORITHMS[algorithm]
+    family = ESTIMATORS[estimator].variant_of or estimator
+    if (family, loss) != (want.estimator, want.loss):
+      check.problem(
+          f'config.algorithm={algorithm!r} uses advantage.estimator'
+          f' {want.estimator!r} and policy_loss.name {want.loss!r}, but'
+          f' the config has {estimator!r} and {loss!r}; choose algorithms with'
+          f' the recipe argument (--config=configs/<recipe>.py:algorithm='
+          f'{algorithm}) so that their presets apply')
+
+  policy = check.scope('policy_loss')
+  policy.open_interval('eps_low', 0.0, 1.0)
+  policy.positive('eps_high')
+  dual_clip = policy.get('dual_clip')
+  if dual_clip is not None and dual_clip != 0 and dual_clip <= 1:
+    check.problem(f'config.policy_loss.dual_clip={dual_clip} must be > 1'
+                  ' (or 0 to disable it)')
+  policy.choice('aggregation', losses.AGGREGATIONS)
+  policy.choice('old_logprobs', OLD_POLICIES)
+  policy.positive('behavior_weight_cap')
+  policy.non_negative('behavior_kl_coef')
+  policy.non_negative('ref_kl_coef')
+  policy.choice('ref_kl_estimator', losses.KL_ESTIMATORS)
+  policy.non_negative('entropy_coef')
+
+  adv = check.scope('advantage')
+  adv.closed_interval('gamma', 0.0, 1.0)
+  adv.closed_interval('lam', 0.0, 1.0)
+  adv.positive('alpha')
+  adv.choice('values_from', ADVANTAGE_VALUES)
+  adv.positive_int('running_mean_window')
+  adv.positive_int('running_mean_global_window')
+  adv.positive_int('running_mean_slots')
+  adv.choice('running_mean_scope', RUNNING_MEAN_SCOPES)
+
+  critic = check.scope('critic')
+  critic.positive_int('steps_per_policy_step')
+  critic.non_negative_int('minibatches')
+  critic.closed_interval('lam', 0.0, 1.0)
+  critic.non_negative('value_clip')
+  critic.non_negative_int('pretrain_steps')
+
+  group = check.positive_int('group_size')
+  min_group = ESTIMATORS[estimator].min_group_size if estimator else 1
+  if group is not None and group < min_group:
+    check.problem(f'config.group_size={group}: advantage estimator'
+                  f' {estimator!r} needs groups of at least {min_group}'
+                  ' samples')

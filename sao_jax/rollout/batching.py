@@ -7,16 +7,21 @@ trajectory per row, right-padded (R = N, the number of trajectories), or
 packed (`config.batching`): several trajectories back to back in a row, each
 a segment with its own positions and segment id, into a fixed R < N rows by
 first-fit-decreasing bin packing. Agent trajectories vary by an order of
-magnitude in length, so one per row pads most of the batch.
+magnitude in length, so one per row pads most of the batch. When a config
+packs, and into how many rows, is decided here too (`packs`, `packed_rows`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
+from sao_jax import sharding
 from sao_jax import types
+from sao_jax.envs import registry
+from sao_jax.rl import algorithms
 from sao_jax.rollout import trajectory_checks
 
 
@@ -152,3 +157,90 @@ def padding_fraction(batch: types.TrainBatch) -> float:
   """The share of the batch's token slots that hold no real token."""
   mask = np.asarray(batch.input_mask_BxT)
   return 1.0 - float(mask.sum()) / mask.size
+
+
+# -- the packing policy (`config.batching`) -------------------------------------
+
+PACK_MODES = ('auto', 'on', 'off')
+
+
+def packs(config) -> bool:
+  """Whether batches are packed (`batching.pack_sequences`, 'auto' resolved:
+  on for a task that can take more than one turn, on one process)."""
+  mode = config.batching.pack_sequences
+  if mode != 'auto':
+    return mode == 'on'
+  if config.distributed.enabled:
+    return False
+  return registry.max_turns(config.task) > 1
+
+
+def packed_rows(config, mesh: dict[str, int] | None = None) -> int:
+  """R, the rows of a packed batch; 0 when the config does not pack.
+
+  `batching.packed_rows`, or (0) `default_packed_rows` for the mini- x
+  micro-batches on every data-parallel shard of `mesh` (axis sizes;
+  default: `config.mesh` over `jax.device_count()`).
+  """
+  if not packs(config):
+    return 0
+  if config.batching.packed_rows:
+    return config.batching.packed_rows
+  if mesh is None:
+    mesh = sharding.mesh_shape(dict(config.mesh), jax.device_count())
+  parts = (sharding.batch_parallelism(mesh)
+           * algorithms.row_minibatches(config) * config.optim.microbatches)
+  return default_packed_rows(config.batch_size, parts)
+
+
+def default_packed_rows(batch_size: int, parts: int = 1) -> int:
+  """3/8 of the trajectories, rounded up to a multiple of `parts` (<= N).
+
+  Measured (BENCHMARKS.md, packing): calculator-like batches of 16 needed at
+  most 6 rows of first-fit decreasing in 2000 samples (mean fill 26% of T);
+  6 rows gave 2.94x the one-per-row learner step, 8 rows 2.20x. A batch
+  that overflows costs no more than one per row (it takes N rows).
+  """
+  rows = -(-3 * batch_size // 8)
+  return min(batch_size, -(-rows // parts) * parts)
+
+
+def check_config(check, mesh: dict[str, int], row_parts: int) -> None:
+  """`config.batching`: the mode, and rows that split like batch_size.
+
+  Args:
+    check: a `config_lib.Checker` of the whole config.
+    mesh: the resolved mesh axis sizes ({} when the mesh is invalid).
+    row_parts: the mini- x micro-batches each data-parallel shard's rows
+      split into (mini-batches: the lcm of the actor's and the critic's).
+  """
+  mode = check.choice('batching.pack_sequences', PACK_MODES)
+  rows = check.non_negative_int('batching.packed_rows')
+  batch = check.get('batch_size')
+  if mode is None or rows is None or not isinstance(batch, int):
+    return
+  try:
+    on = packs(check.config)
+  except (KeyError, AttributeError, TypeError, ValueError):
+    return  # the task's own keys are reported by its check
+  if not on:
+    return
+  if check.get('distributed.enabled'):
+    # Each process packs its own trajectories; one that overflows its rows
+    # would give its shard another shape than the others'.
+    check.problem("config.batching.pack_sequences='on' packs batches on one"
+                  ' process only; set it to off (or auto) with'
+                  ' config.distributed.enabled')
+  if rows > batch:
+    check.problem(f'config.batching.packed_rows={rows} must be <='
+                  f' config.batch_size={batch} (the trajectories of a'
+                  ' batch)')
+  if rows and mesh:
+    parts = sharding.batch_parallelism(mesh) * row_parts
+    if rows % parts:
+      check.problem(
+          f'config.batching.packed_rows={rows} must split into'
+          ' config.optim.policy_minibatches (and config.critic.minibatches)'
+          ' x config.optim.microbatches'
+          f' parts of rows from each data-parallel shard (a multiple of'
+          f' {parts})')

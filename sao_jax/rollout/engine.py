@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax import config_lib
 from sao_jax import sharding
 from sao_jax.models import decoding
 from sao_jax.models import pretrained
@@ -62,6 +61,7 @@ from sao_jax.models import sampling
 from sao_jax.models import tokenizer as tokenizer_lib
 from sao_jax.models import transformer
 from sao_jax.rollout import jetstream_compat
+from sao_jax.rollout import options
 from sao_jax.rollout import prefix_cache
 from sao_jax.rollout import weight_stream
 from sao_jax.rollout import wire
@@ -73,7 +73,7 @@ tokenizer_api = jetstream_compat.tokenizer_api
 # engine's tokenizer reports this sentinel as BOS and prefill strips it, so the
 # prompt reaches the model exactly as the client sent it.
 BOS_SENTINEL = -1
-PREFILL_BUCKETS = config_lib.PREFILL_BUCKETS
+PREFILL_BUCKETS = options.PREFILL_BUCKETS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ talks to it only through its methods:
                                   vocab_size, batch_size, version=step,
                                   restart=restart, stop_flag=stop_flag)
   rollouts.start(policy_state, step)
-  trajectories, batch = rollouts.next_batch(timeout_s)
+  batch = rollouts.next_batch(timeout_s)  # .train_batch, .task_indices
   ... train at version step ...
   rollouts.set_learner_version(step + 1)
   rollouts.push_weights(policy_state, step + 1)   # every sync_every steps
@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -41,6 +41,7 @@ from sao_jax import types
 from sao_jax.rollout import batching
 from sao_jax.rollout import episodes
 from sao_jax.rollout import launch
+from sao_jax.rollout import prompt_slots
 from sao_jax.rollout import queue as queue_lib
 from sao_jax.rollout import server_supervisor
 from sao_jax.rollout import weight_stream
@@ -50,6 +51,19 @@ from sao_jax.rollout import workers
 
 # The longest single wait between two checks for a stop or a dead fleet.
 _POLL_S = 1.0
+
+
+class Batch(NamedTuple):
+  """One batch of this process, complete for the learner and the ledger.
+
+  Attributes:
+    trajectories: the finished rollouts, in row order.
+    train_batch: their rows, `slot_ids_N` filled in.
+    task_indices: the training-stream index of each trajectory's task.
+  """
+  trajectories: list[types.Trajectory]
+  train_batch: types.TrainBatch
+  task_indices: tuple[int, ...]
 
 
 def check_inputs(config) -> None:
@@ -104,9 +118,12 @@ class RolloutSystem:
     self._pad_id = tok.pad_id or 0
     # Packing runs on one process only (config_lib), so the learner's mesh
     # is config.mesh over this process's devices.
-    self._packed_rows = config_lib.packed_rows(config)
+    self._packed_rows = batching.packed_rows(config)
     self._batch_size = batch_size
     self._stop_flag = stop_flag
+    # Checkpointed by the trainer (`state_dict`), with the learner state.
+    self.prompt_slots = prompt_slots.PromptSlots(
+        config.advantage.running_mean_slots)
     # Made by the files transport only: with stream nothing is written.
     self._weights_dir = os.path.join(workdir, 'weights')
     if r.server_addresses or r.admin_secret_file:
@@ -160,7 +177,7 @@ class RolloutSystem:
         group_size=config.group_size, capacity=r.queue_capacity or None,
         logprob_tolerance=r.logprob_tolerance,
         max_abs_reward=r.max_abs_reward,
-        required_info={'task_index': int},
+        required_info={workers.TASK_INDEX: int},
         routing=routing)
     self._queue.set_learner_version(version)
     self._queue.set_rollout_version(version)
@@ -215,10 +232,13 @@ class RolloutSystem:
 
   # ---------------------------------------------------------------- batches
 
-  def next_batch(self, timeout_s: float
-                 ) -> tuple[list[types.Trajectory], types.TrainBatch]:
-    """The next batch: its trajectories and their [B, T] rows (packed when
-    `config.batching` says so: `config_lib.packed_rows`).
+  def next_batch(self, timeout_s: float) -> Batch:
+    """The next batch: its trajectories, their [B, T] rows (packed when
+    `config.batching` says so: `batching.packed_rows`) with each one's
+    running-mean slot, and the task index each answers.
+
+    A collective on several processes (the slots are numbered across every
+    host's batch): every process calls it at the same step.
 
     Waits in short polls (see `_poll`).
 
@@ -241,9 +261,15 @@ class RolloutSystem:
         lambda poll_s: self._queue.get_batch_blocking(
             timeout=max(min(poll_s, deadline - time.monotonic()), 0.0)),
         on_timeout=give_up)
-    return trajectories, batching.assemble_batch(
+    rows = batching.assemble_batch(
         trajectories, self._config.rollout.max_sequence_length, self._pad_id,
         self._packed_rows)
+    return Batch(
+        trajectories=trajectories,
+        train_batch=rows.replace(
+            slot_ids_N=self.prompt_slots.trajectory_ids(trajectories)),
+        # The queue admitted only trajectories whose task index is an int.
+        task_indices=tuple(int(t.info[workers.TASK_INDEX]) for t in trajectories))
 
   @property
   def batch_rows(self) -> int:

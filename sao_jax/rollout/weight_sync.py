@@ -1,7 +1,8 @@
 """Moving policy weights from the learner to rollout servers.
 
 Two transports (`TRANSPORTS`, chosen by `config.rollout.weight_transport`),
-both over the admin gRPC service, authenticated by a shared secret:
+both started by a call to the admin gRPC service, authenticated by a shared
+secret:
 
 - `stream` (the default): the learner copies its parameters to the host in
   the servers' dtype and streams them in size-bounded, checksummed buckets

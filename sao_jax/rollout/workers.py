@@ -23,6 +23,10 @@ from sao_jax.rollout import client as client_lib
 from sao_jax.rollout import episodes
 from sao_jax.rollout import queue as queue_lib
 
+# The info key of the index of a trajectory's task in the training stream,
+# which `RolloutSystem.next_batch` hands out and the ledger marks done.
+TASK_INDEX = 'task_index'
+
 _log = logging.getLogger(__name__)
 
 
@@ -184,7 +188,7 @@ class RolloutRunner:
           _log.exception('episode on task %s failed', task.id)
           return True
         for trajectory in trajectories:
-          trajectory.info['task_index'] = index
+          trajectory.info[TASK_INDEX] = index
           try:
             await lease.put(trajectory)
           except queue_lib.QueueClosed:

@@ -41,7 +41,10 @@ from absl import flags
 
 from sao_jax import config_lib
 from sao_jax import platforms
+from sao_jax import recipe_checks
 from sao_jax import sharding
+from sao_jax.models import model_config
+from sao_jax.rollout import batching
 from flax import nnx
 
 from sao_jax.learner import learner as learner_lib
@@ -98,15 +101,15 @@ def _device_bytes(abstract_tree) -> int:
 def compile_train_step(config, topology: str) -> Report:
   """Compiles `config`'s SAO step for `topology`; returns the report."""
   devices = tpu_aot.devices(topology)
-  sizes = config_lib.validate(config, num_devices=len(devices))
+  sizes = recipe_checks.validate(config, num_devices=len(devices))
   mesh = sharding.make_mesh(sizes, devices)
   policy = pretrained.abstract_model(
-      config.model.source, **config_lib.model_overrides(config))
+      config.model.source, **model_config.overrides(config.model))
   with platforms.compile_target('tpu'):
     learner = learner_lib.Learner(config, policy, mesh, init_state=False)
     batch_size, length = config.batch_size, config.rollout.max_sequence_length
     batch = learner.abstract_batch(batch_size, length,
-                                   config_lib.packed_rows(config, sizes))
+                                   batching.packed_rows(config, sizes))
     start = time.perf_counter()
     lowered = learner.train_step.lower(learner.abstract_state, batch)
     try:

@@ -13,6 +13,7 @@ import jax
 from absl import flags
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
 
 _CONFIG = config_lib.define_config_flag()
 _NUM_DEVICES = flags.DEFINE_integer(
@@ -24,7 +25,7 @@ def main(argv: Sequence[str]) -> None:
   del argv
   config = _CONFIG.value
   num_devices = _NUM_DEVICES.value or jax.device_count()
-  mesh = config_lib.validate(config, num_devices=num_devices)
+  mesh = recipe_checks.validate(config, num_devices=num_devices)
   print(config, end="")
   print(f'# mesh for {num_devices} devices: {mesh}')
 

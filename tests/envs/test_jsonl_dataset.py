@@ -11,6 +11,7 @@ import pytest
 
 from sao_jax import errors
 from sao_jax.envs import jsonl_dataset
+from sao_jax.envs import jsonl_tfds
 
 _RECORDS = [
     {'question': 'What is 2 + 2?', 'answer': 4, 'id': 'q-a'},
@@ -72,7 +73,7 @@ def test_built_once_and_reused(tmp_path, monkeypatch):
   def no_rebuild(*args, **kwargs):
     raise AssertionError('rebuilt a prepared dataset')
 
-  monkeypatch.setattr(jsonl_dataset.JsonlPrompts, 'download_and_prepare',
+  monkeypatch.setattr(jsonl_tfds.JsonlPrompts, 'download_and_prepare',
                       no_rebuild)
   again = jsonl_dataset.JsonlEnvironment(path, cache_dir=cache)
   assert _all_tasks(again, 'train') == _all_tasks(first, 'train')

@@ -8,6 +8,7 @@ import pytest
 
 from sao_jax import config_lib
 from sao_jax import evaluation
+from sao_jax import recipe_checks
 from sao_jax.envs import calculator
 from sao_jax.envs import latency
 from sao_jax.envs import registry
@@ -292,7 +293,7 @@ def test_config_builds_the_configured_environment():
   config.task.word_target.turns = 2
   config.task.word_target.delay_median_s = 0.5
   config.task.word_target.scored_reply = 'first'
-  config_lib.validate(config, num_devices=1)
+  recipe_checks.validate(config, num_devices=1)
   env = registry.make(config.task)
   assert isinstance(env, word_target.WordTarget) and env.max_turns == 2
   assert env.scored_reply == 'first'

@@ -16,6 +16,7 @@ import pytest
 
 from sao_jax import config_lib
 from sao_jax import kernels
+from sao_jax import recipe_checks
 from sao_jax import sharding
 from sao_jax.rl import advantages
 from sao_jax.rl import losses
@@ -186,7 +187,7 @@ def test_config_switches_implementation_with_identical_results():
   for implementation in ('xla', 'pallas'):
     config = config_lib.load_config(os.path.join(root, 'configs', 'default.py'))
     config.kernels.implementation = implementation
-    config_lib.validate(config, num_devices=1)
+    recipe_checks.validate(config, num_devices=1)
     (loss, _), grad = jax.value_and_grad(
         lambda lp, c=config: kernels.dis_policy_loss(
             lp, mu, adv, mask, eps_low=c.policy_loss.eps_low,

@@ -10,6 +10,8 @@ import pytest
 from flax import nnx
 
 from sao_jax import config_lib
+from sao_jax import recipe_checks
+from sao_jax.models import model_config
 from sao_jax.models import sampling
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import jetstream_compat
@@ -213,7 +215,7 @@ def sampling_config(tiny_checkpoint, **rollout):
   config.rollout.temperature = 1.0
   for key, value in rollout.items():
     config.rollout[key] = value
-  config_lib.validate(config)
+  recipe_checks.validate(config)
   return config
 
 
