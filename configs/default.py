@@ -63,21 +63,19 @@ def get_config(arg=None):
   c.model.attention = 'auto'
   # Recompute layer activations in the backward pass. The demo's three
   # 30-layer backward passes (K = 2 critic updates, one policy update) would
-  # otherwise hold every layer's activations: with the two settings below it
-  # is what brings `make demo` under 6 GB (BENCHMARKS.md, the main job).
+  # otherwise hold every layer's activations; with the two settings below it
+  # sets the demo's peak memory (BENCHMARKS.md, "Memory").
   c.model.remat = True
   # The layer stack: scan (compile time independent of depth) | unroll (the
   # scan unrolled: faster off TPU for shallow stacks) | auto (unroll off TPU
-  # up to 32 layers, scan on TPU; measured in BENCHMARKS.md, learner). The
-  # demo scans: with remat an unrolled stack's temporaries grow ~4x faster
-  # per layer (SmolLM2 shape, 8 layers: 0.89 GB unrolled, 0.56 GB scanned),
-  # and each jitted function compiles in seconds instead of ~45 s.
+  # up to 32 layers, scan on TPU; BENCHMARKS.md, "Learner"). The demo scans:
+  # with remat an unrolled stack's temporaries grow faster per layer, and a
+  # scanned stack compiles once per function, not once per layer.
   c.model.layer_loop = 'scan'
   # Sequence positions per chunk of the learner's LM head: the [B, C, V]
   # logits of one chunk at a time, recomputed in the backward pass, never the
-  # whole [B, T, V] (0: the whole sequence at once). SmolLM2's vocabulary of
-  # 49152 makes the whole logits of a 16 x 64 batch 0.2 GB per copy, and the
-  # backward pass held about four such buffers.
+  # whole [B, T, V] (0: the whole sequence at once): with SmolLM2's 49152
+  # words the whole logits are the largest buffers of the backward pass.
   c.model.logits_chunk_size = 16
   # MoE policies only. moe_routing: learn (the learner's routers pick each
   # token's experts) | replay (tokens the engine generated go to the experts
@@ -186,9 +184,8 @@ def get_config(arg=None):
   # on it) has not gained pretrain_min_delta for pretrain_patience batches
   # (batches of equal rewards, where it is undefined, do not count), or after
   # pretrain_steps batches. The critic's optimizer then starts afresh, so
-  # RL's warm-up begins at RL step 0.
-  # Measured (BENCHMARKS.md, value pretraining): on the demo the critic's R^2
-  # climbs from -0.6 to ~0 within 3-5 batches and the rule stops it after ~11.
+  # RL's warm-up begins at RL step 0. On the demo the rule stops it before
+  # the cap (BENCHMARKS.md, "Value pretraining").
   c.critic.pretrain_steps = 12  # at most this many batches
   c.critic.pretrain_patience = 3  # batches without gain before stopping
   c.critic.pretrain_min_delta = 0.01  # the R^2 gain that counts
@@ -222,18 +219,16 @@ def get_config(arg=None):
     o.b2 = 0.999  # AdamW beta2
     o.weight_decay = 0.0  # AdamW decoupled weight decay
     # AdamW's first moment: float32 | bfloat16 (half its memory; the
-    # second moment stays float32, as in MaxText's `mu_dtype`). The Colab
-    # quickstart uses bfloat16 to stay under 6 GB.
+    # second moment stays float32, as in MaxText's `mu_dtype`).
     o.mu_dtype = 'float32'
     c.optim[role] = o
-  # The demo's actor rate decays (cosine to 0.1x by the last step). At a
-  # constant rate demo runs peaked at step 11 and then lost ground, their
-  # arithmetic answers drifting (5 + 8 = 13 -> 11) while the training reward
-  # held: the 200 held-out problems take 131 of the task's distinct sums, so
-  # training sees 69 questions ~5 times each. Held-out at step 22, seeds
-  # 0-3: cosine 0.750, 0.610, 0.755, 0.725 (mean 0.710 +- 0.034); constant,
-  # seeds 0-1: 0.520, 0.650 (BENCHMARKS.md, the main job). The critic's rate
-  # stays constant: its targets move with the policy. So the critic/actor
+  # The demo's actor rate decays (cosine to 0.1x by the last step): its
+  # training stream repeats a few dozen distinct questions (the held-out set
+  # takes most of the task's one-digit sums), and at a constant rate the
+  # answers drifted late in a run while the training reward held
+  # (BENCHMARKS.md, "Held-out: cut replies earn nothing, the actor's rate
+  # decays"). The critic's rate stays constant: its targets move with the
+  # policy. So the critic/actor
   # rate ratio is the spec's 5x at the peak and grows to 50x at the last
   # step (a deliberate deviation; `--config.optim.critic.schedule=cosine`
   # keeps 5x throughout). tiny.py and the TPU presets keep a constant rate.
@@ -274,8 +269,8 @@ def get_config(arg=None):
   # rounded weights: mu_t then differs from the learner's log-probs by that
   # rounding, which the DIS ratio pi/mu_t sees and corrects, as it does an
   # inference engine's kernels in the paper. On XLA:CPU with a float32
-  # model.dtype it costs more than it saves (the weights are converted on
-  # every call: the Colab quickstart went 5.68 -> 6.45 GiB peak with it).
+  # model.dtype it costs more memory than it saves: the weights are
+  # converted on every call (BENCHMARKS.md, "Memory").
   c.rollout.param_dtype = ''
   # The servers' compute dtype: '' keeps model.dtype | float32 | bfloat16.
   # Apart from model.dtype it is an inference engine whose kernels differ
@@ -322,19 +317,19 @@ def get_config(arg=None):
   # decode load (BENCHMARKS.md, "Weight sync": 16 MiB).
   c.rollout.weight_bucket_mib = 16.0
   # Per bucket: sum64 (64-bit word sum; catches changed, zeroed or missing
-  # bytes, at memory speed) | crc32 (also reordered bytes; ~7x the cost,
-  # ~0.3 s of a 0.9 s push of 0.54 GB on 2 cores under decode load).
+  # bytes, at memory speed) | crc32 (also reordered bytes, at several times
+  # the cost: a large share of a push on a few cores; "Weight sync").
   c.rollout.weight_checksum = 'sum64'
   c.rollout.weight_bucket_timeout_s = 30.0  # either side, per bucket
   # True: a streamed push starts while the parameters are still being copied
   # to the host, each piece sent once it is there: the push ends sooner, but
   # where copy and send share the cores the copy (which the learner waits
-  # for) takes longer; on the 2-core demo machine 2-3x (BENCHMARKS.md,
-  # "Weight sync"). False: copy, then send during the next step.
+  # for) takes longer (BENCHMARKS.md, "Weight sync"). False: copy, then
+  # send during the next step.
   c.rollout.weight_send_while_copying = False
   # True: each version is copied into the host pages of one no longer held,
-  # instead of fresh ones (faulting fresh pages in was 0.17 of 0.25 s of the
-  # learner's wait for 0.54 GB on 2 cores; reused: 0.08 s in all). The cost
+  # instead of fresh ones (faulting fresh pages in is most of the learner's
+  # wait for a push on a few cores: "Reused host pages"). The cost
   # is one more host copy of the weights kept between pushes: on a TPU host
   # that is host RAM beside the HBM the step uses; on CPU (the demo) it
   # raises the learner's peak, which the training step sets.
@@ -368,10 +363,9 @@ def get_config(arg=None):
   # Whether a last reply cut by max_new_tokens keeps the environment's
   # reward. The demo's chain-sum grader scores a reply's last number, and a
   # cut reply ("3 + 8 = 11. The answer to") often ends on the right one: with
-  # the reward kept, demo runs drifted to run-on replies late in training
-  # (94-100% cut by step 22) and lost held-out accuracy (BENCHMARKS.md, the
-  # main job). False: such a reply earns 0, as an unfinished answer does in
-  # verifiable-reward graders that need a complete answer.
+  # the reward kept, runs drift to run-on replies (BENCHMARKS.md, "Held-out:
+  # cut replies earn nothing"). False: such a reply earns 0, as an unfinished
+  # answer does in verifiable-reward graders that need a complete answer.
   c.rollout.reward_cut_replies = False
   c.rollout.max_sequence_length = 64  # T of a batch: prompt+actions+observations
 
@@ -382,16 +376,15 @@ def get_config(arg=None):
   # length, so one per row is mostly padding. Rows are fixed (packed_rows),
   # so the step compiles once; a batch that does not fit them is packed into
   # batch_size rows instead (one more compile, nothing dropped).
-  # auto = on for multi-turn tasks (calculator, word_target with turns > 1,
-  # humaneval with humaneval_max_turns > 1) on one process, off for
-  # single-turn ones. Measured (BENCHMARKS.md, packing): calculator-like
-  # lengths, 16 x T = 704: padding 74% -> 30%, learner step 2.94x the real
-  # tokens/s; the demo's chain sums (55 of 64 tokens) cannot share a row.
+  # auto = on for a task whose episodes can take more than one turn (its
+  # EnvSpec's max_turns: calculator, word_target with turns > 1, humaneval
+  # with max_turns > 1) on one process, off for single-turn ones, which
+  # rarely share a row (BENCHMARKS.md, "Packing").
   c.batching = ml_collections.ConfigDict()
   c.batching.pack_sequences = 'auto'  # auto | on | off (auto: multi-turn)
-  # R, rows a packed batch fills; 0: 3/8 of batch_size (6 of 16: the
-  # calculator batches measured never needed more), rounded up to whole
-  # mini- and micro-batches on every data-parallel shard.
+  # R, rows a packed batch fills; 0: 3/8 of batch_size (what calculator-like
+  # batches needed; "Packing"), rounded up to whole mini- and micro-batches
+  # on every data-parallel shard.
   c.batching.packed_rows = 0
 
   # Evaluation on the held-out set (greedy decoding, extracted answers).
@@ -399,10 +392,9 @@ def get_config(arg=None):
   c.eval.every = 11  # also every N policy steps; 0: at the start and end only
   c.eval.at_start = True  # evaluate the untrained policy first
   # Per held-out reply: the rollouts' budget, so that the held-out score
-  # judges replies as training rewarded them. With 16 (4 more than training)
-  # a demo run that drifted to run-on replies ("3 + 8 = 11. The answer to
-  # 3 + ", cut at 12 tokens in training with 11 as the last number) scored
-  # 0.18 held-out at a training reward of 0.75 (BENCHMARKS.md, main job).
+  # judges replies as training rewarded them: a longer budget scores a
+  # run-on reply by a later number than the one training rewarded
+  # (BENCHMARKS.md, "The main job").
   c.eval.max_new_tokens = 12
   # 0: greedy, accuracy of the policy's mode. > 0 samples each held-out reply
   # at this temperature (key from seed and step): the accuracy of the policy's
@@ -414,8 +406,8 @@ def get_config(arg=None):
   #   every: save every N policy steps (and on SIGTERM)
   #   max_to_keep: newest checkpoints kept
   #   write_concurrent_gb: most GB of the state being written at once (the
-  #     background write's encode buffers: unbounded they added 1.9 GiB to
-  #     the demo's learner for the seconds of a save, at 1 GB 0.7 GiB)
+  #     background write's encode buffers, unbounded, raise the learner's
+  #     peak for the seconds of a save: BENCHMARKS.md, "Memory")
   c.checkpoint = ml_collections.ConfigDict(dict(every=10, max_to_keep=2,
                                                 write_concurrent_gb=1))
   # Logs (metrics.jsonl is always written):
