@@ -174,14 +174,16 @@ def test_long_horizon_episodes_train_and_reuse_the_servers_kv(tmp_path):
   """configs/long_horizon.py: 12-turn episodes of ~2.5k tokens, packed into
   4k-token rows (blockwise attention), and turns after the first prefill
   mostly the appended observation. Four episodes a step, not the recipe's
-  eight: the same rows and turns at 0.74x the CPU time (the suite's
-  longest test; docs/design/test_suite_time.md)."""
+  eight, no value-pretraining batch and two held-out episodes: the same rows
+  and turns at a fraction of the CPU time (the suite's longest test;
+  docs/design/test_suite_time.md)."""
   proc = subprocess.run(
       [sys.executable, '-m', 'sao_jax.train', '--config=configs/long_horizon.py',
        f'--workdir={tmp_path}', '--config.total_steps=2',
        '--config.eval.at_start=False', '--config.checkpoint.every=2',
        '--config.batch_size=4', '--config.rollout.num_workers=4',
-       '--config.task.held_out=4', '--config.eval.batch_size=4'],
+       '--config.critic.pretrain_steps=0', '--config.task.held_out=2',
+       '--config.eval.batch_size=2'],
       cwd=ROOT, capture_output=True, text=True, timeout=900,
       # One CPU device, as a user's run has (not conftest's eight fake ones).
       env=xla_flags.child_environment(
