@@ -287,6 +287,35 @@ def test_entry_point_errors_are_one_line(args, message):
   assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
+# The task keys that moved into their environment's section, and keys
+# whose name is close to an existing one in the same section.
+@pytest.mark.parametrize('old, new', [
+    ('task.num_terms', '--config.task.arith_chain_sum.num_terms or'
+     ' --config.task.calculator.num_terms'),
+    ('task.digits', '--config.task.arith_chain_sum.digits or'
+     ' --config.task.calculator.digits'),
+    ('task.dataset_kwargs.max_terms',
+     '--config.task.reasoning_gym.dataset_kwargs.max_terms'),
+    ('task.partial_credit', '--config.task.reasoning_gym.partial_credit'),
+    ('task.humaneval_max_turns', '--config.task.humaneval.max_turns'),
+    ('task.humaneval_eval_size', '--config.task.humaneval.eval_size'),
+    ('task.sandbox.timeout_s', '--config.task.humaneval.sandbox.timeout_s'),
+    ('task.calculator.max_turn', "'max_turns'"),
+    ('polcy_loss.eps_low', '--config.policy_loss.eps_low'),
+])
+def test_an_old_or_misspelt_key_suggests_its_place(old, new):
+  assert config_lib.suggest_key(default(), old) == f' (did you mean {new}?)'
+
+
+def test_an_override_of_a_moved_key_names_the_new_one():
+  proc, lines = run_show_config('--config=configs/default.py',
+                                '--config.task.humaneval_max_turns=2')
+  assert proc.returncode == 2
+  assert lines == ['error: unknown config key --config.task.humaneval_max_turns:'
+                   " config.task has no field 'humaneval_max_turns' (did you"
+                   ' mean --config.task.humaneval.max_turns?)'], proc.stderr
+
+
 @pytest.mark.parametrize('spec, message', [
     ('configs/nope.py', "config file 'configs/nope.py' does not exist"),
     ('configs/default.py:algo=grpo', "unknown config argument 'algo'"),
