@@ -42,9 +42,8 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m sao_jax.train --config=configs/default.py --workdir=$(WORKDIR)
 
 # Two pytest workers (pytest-xdist), slow tests first, work stealing at the
-# end, one XLA compilation cache for the session (tests/conftest.py): 1006
-# tests in 17.8 min on this 2-core VM from a fresh clone, 18.9 min with the
-# install (2026-12-07, README; docs/design/test_suite_time.md).
+# end, one XLA compilation cache for the session (tests/conftest.py); its
+# time on this 2-core VM: README and docs/design/test_suite_time.md.
 PYTEST_WORKERS ?= 2
 # compileall: the bytecode of this repository's modules, which the suite's
 # hundred-odd processes would each compile again (0.2 s apiece) where
