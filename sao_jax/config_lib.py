@@ -343,7 +343,9 @@ class Checker:
   def raise_if_any(self) -> None:
     """Raises one `ConfigError` listing every problem recorded."""
     if self.problems:
-      raise ConfigError('invalid config: ' + '; '.join(self.problems))
+      # Two owners reading the same missing key record it once each.
+      raise ConfigError('invalid config: '
+                        + '; '.join(dict.fromkeys(self.problems)))
 
   def get(self, key):
     key = self._prefix + key

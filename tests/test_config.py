@@ -99,7 +99,6 @@ def test_validate_names_the_bad_key(key, value, message):
   assert '\n' not in str(info.value)
 
 
-
 def test_deltas_need_the_streamed_transport():
   config = default()
   config.rollout.weight_delta = 'sparse'

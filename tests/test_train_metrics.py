@@ -13,7 +13,6 @@ from sao_jax import types
 from sao_jax.logs import train_metrics
 
 
-
 def test_plateau_stops_after_patience_and_ignores_nan():
   plateau = train_metrics.Plateau(patience=2, min_delta=0.01)
   assert not plateau.update(0.10)

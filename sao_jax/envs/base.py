@@ -140,7 +140,6 @@ class EnvSpec:
   check_inputs: Callable[[Any, str], list[str]] | None = None
 
 
-
 def option_defaults(options: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config section of `options` (name -> `Option` or a nested mapping)
   at their defaults."""

@@ -116,7 +116,7 @@ class RolloutSystem:
     r = config.rollout
     self._config = config
     self._pad_id = tok.pad_id or 0
-    # Packing runs on one process only (config_lib), so the learner's mesh
+    # Packing runs on one process only (batching.packs), so the learner's mesh
     # is config.mesh over this process's devices.
     self._packed_rows = batching.packed_rows(config)
     self._batch_size = batch_size
