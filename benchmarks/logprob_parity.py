@@ -155,7 +155,8 @@ def main():
   parser.add_argument('--variants', default=','.join(VARIANTS))
   parser.add_argument('--seeds', type=int, default=1)
   parser.add_argument('--quick', action='store_true',
-                      help='the tiny model, two rows, 2 steps (CI)')
+                      help='CI: the tiny model, two rows, 2 steps; the'
+                      " recipe's rows checked")
   parser.add_argument('--workdir', default='runs/benchmarks/logprob_parity')
   parser.add_argument('--out', default='benchmarks/results/logprob_parity.json')
   parser.add_argument('--plot', default='benchmarks/results/logprob_parity.png')
@@ -170,6 +171,12 @@ def main():
   specs = [training_runs.RunSpec(name, seed, config,
                                  dict(overrides, **VARIANTS[name]))
            for seed in range(args.seeds) for name in names]
+  if args.quick:  # the rows of the full grid, checked without running
+    full_config, _, full_overrides = RECIPES[args.recipe]
+    training_runs.check_commands([
+        training_runs.RunSpec(name, 0, full_config,
+                              dict(full_overrides, **VARIANTS[name]))
+        for name in VARIANTS])
   root = os.path.join(args.workdir, recipe + ('-quick' if args.quick else ''))
   summaries = training_runs.run_grid(specs, root, batch_size=batch_size)
   for spec, summary in zip(specs, summaries):

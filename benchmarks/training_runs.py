@@ -6,6 +6,9 @@ seed), each in its own workdir, with the config overrides that make the
 variant. Nothing here trains: the numbers come from the program users run,
 through its `metrics.jsonl`.
 
+  * `quick_grid` is CI's quick mode of a grid: every variant's command is
+    parsed and validated in this process (`check_commands`), as the training
+    program would before it starts, and one variant runs.
   * `run_grid` launches the runs one after another (they share the machine's
     cores; running them side by side would make their wall-clocks meaningless)
     and skips a run whose workdir already holds a finished `summary.json`, so
@@ -98,11 +101,14 @@ class RunSpec:
 
   def command(self, workdir: str) -> list[str]:
     """The `python -m sao_jax.train` command line of this run."""
+    return [sys.executable, '-m', 'sao_jax.train', f'--config={self.config}',
+            f'--workdir={workdir}'] + self.override_flags()
+
+  def override_flags(self) -> list[str]:
+    """The `--config.<key>=<value>` flags of this run, seeds included."""
     flags = {'seed': self.seed, 'task.seed': self.seed,
              'log.progress': False, **self.overrides}
-    return [sys.executable, '-m', 'sao_jax.train', f'--config={self.config}',
-            f'--workdir={workdir}'] + [
-                f'--config.{k}={_flag_value(v)}' for k, v in flags.items()]
+    return [f'--config.{k}={_flag_value(v)}' for k, v in flags.items()]
 
 
 def _flag_value(value: Any) -> str:
@@ -117,6 +123,58 @@ def load_recipe_config(config: str):
   (for values a script derives from the recipe, e.g. a scaled rate)."""
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
   return config_lib.load_config(os.path.join(ROOT, config))
+
+
+def check_commands(specs: Sequence[RunSpec]) -> None:
+  """Parses every spec's command line and validates its config, in this
+  process, as `python -m sao_jax.train` does before its slow start.
+
+  A variant with a renamed key, a value of the wrong type or settings that
+  contradict each other fails here in seconds, not when its turn comes in a
+  grid of hours. The mesh is checked against one device (what the runs see on
+  a CPU); a run checks its own devices when it starts.
+
+  Raises:
+    SystemExit: naming the first variant whose command is wrong, and why.
+  """
+  # pylint: disable=g-import-not-at-top
+  from absl import flags
+  from ml_collections import config_flags
+  from sao_jax import config_lib
+  from sao_jax import recipe_checks
+  # pylint: enable=g-import-not-at-top
+  for spec in specs:
+    argv = ['sao_jax.train', f'--config={os.path.join(ROOT, spec.config)}',
+            *spec.override_flags()]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file('config', flag_values=values,
+                                    lock_config=True, sys_argv=argv)
+    try:
+      values(argv)
+      recipe_checks.validate(values.config, num_devices=1)
+      recipe_checks.check_inputs(values.config)
+    except (AttributeError, KeyError) as e:  # an override of no config key
+      message = config_lib.unknown_override(argv) or repr(e)
+    except (flags.Error, config_lib.ConfigError, OSError) as e:
+      message = config_lib.user_message(e)
+    else:
+      continue
+    raise SystemExit(f'error: variant {spec.variant!r}: {message}')
+
+
+def quick_grid(specs: Sequence[RunSpec], variant: str) -> list[RunSpec]:
+  """CI's quick mode of a grid: checks every spec's command
+  (`check_commands`) and returns the specs of `variant` only.
+
+  One real run keeps a benchmark script from rotting (its runs, summaries,
+  report, table and plot) at the cost of one training run instead of one per
+  variant, while the other variants' overrides are still checked.
+  """
+  check_commands(specs)
+  chosen = [s for s in specs if s.variant == variant]
+  if not chosen:
+    raise ValueError(f'no spec of variant {variant!r} in the grid')
+  return chosen
 
 
 def compile_cache_dir(root: str) -> str:

@@ -133,7 +133,7 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
     except flags.Error as e:
       _fail(_config_file_error(e) or str(e))
     except (AttributeError, KeyError) as e:
-      _fail(_unknown_override(argv) or f'bad config override: {e}')
+      _fail(unknown_override(argv) or f'bad config override: {e}')
     except (OSError, ConfigError) as e:
       _fail(f'could not load the config: {_root_cause(e)}')
 
@@ -183,7 +183,7 @@ def _root_cause(e: BaseException) -> str:
   return f'{type(e).__name__}: {e}'
 
 
-def _unknown_override(argv: Sequence[str]) -> str | None:
+def unknown_override(argv: Sequence[str]) -> str | None:
   """Names the first `--config.x.y` override whose key the config lacks."""
   spec = _config_spec(argv)
   overrides = [item[len('--config.'):].split('=', 1)[0]

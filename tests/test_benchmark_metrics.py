@@ -157,3 +157,30 @@ def test_a_grid_resumes_from_an_earlier_result_without_rerunning(tmp_path):
   assert training_runs.run_key(' '.join(other.command('/x')[1:])) not in (
       finished)
   assert training_runs.load_finished(str(tmp_path / 'missing.json')) == {}
+
+
+def test_a_grid_command_with_a_stale_key_fails_before_anything_runs():
+  """`check_commands` parses and validates each variant as the trainer
+  would, naming the variant and the key's new place."""
+  good = training_runs.RunSpec('sao', 0, 'configs/tiny.py:algorithm=sao',
+                               {'total_steps': 3, 'task.word_target.turns': 2})
+  moved = training_runs.RunSpec('old key', 0, 'configs/tiny.py:algorithm=sao',
+                                {'task.humaneval_max_turns': 2})
+  typed = training_runs.RunSpec('typed', 0, 'configs/tiny.py:algorithm=grpo',
+                                {'batch_size': 'sixteen'})
+  invalid = training_runs.RunSpec('invalid', 0, 'configs/tiny.py:algorithm=sao',
+                                  {'rollout.dtype': 'float8'})
+  assert training_runs.quick_grid([good], 'sao') == [good]
+  for spec, expected in (
+      (moved, "variant 'old key': unknown config key"
+              ' --config.task.humaneval_max_turns'),
+      (typed, "variant 'typed': flag --config.batch_size=sixteen"),
+      (invalid, "variant 'invalid': invalid config: config.rollout.dtype")):
+    with pytest.raises(SystemExit, match=expected) as e:
+      training_runs.quick_grid([good, spec], 'sao')
+    assert str(e.value).startswith('error: ')
+  with pytest.raises(SystemExit, match='did you mean --config.task.humaneval'
+                     '.max_turns'):
+    training_runs.check_commands([moved])
+  with pytest.raises(ValueError, match="no spec of variant 'grpo'"):
+    training_runs.quick_grid([good], 'grpo')
