@@ -146,20 +146,20 @@ def check_commands(specs: Sequence[RunSpec]) -> None:
   for spec in specs:
     argv = ['sao_jax.train', f'--config={os.path.join(ROOT, spec.config)}',
             *spec.override_flags()]
+    # The trainer's config flag, on flag values of this command's own.
     values = flags.FlagValues()
     config_flags.DEFINE_config_file('config', flag_values=values,
                                     lock_config=True, sys_argv=argv)
+    where = f'error: variant {spec.variant!r}:'
     try:
       values(argv)
+    except config_lib.PARSE_ERRORS as e:
+      raise SystemExit(f'{where} {config_lib.parse_message(e, argv)}') from e
+    try:
       recipe_checks.validate(values.config, num_devices=1)
       recipe_checks.check_inputs(values.config)
-    except (AttributeError, KeyError) as e:  # an override of no config key
-      message = config_lib.unknown_override(argv) or repr(e)
-    except (flags.Error, config_lib.ConfigError, OSError) as e:
-      message = config_lib.user_message(e)
-    else:
-      continue
-    raise SystemExit(f'error: variant {spec.variant!r}: {message}')
+    except config_lib.ConfigError as e:
+      raise SystemExit(f'{where} {e}') from e
 
 
 def quick_grid(specs: Sequence[RunSpec], variant: str) -> list[RunSpec]:

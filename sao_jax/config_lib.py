@@ -37,6 +37,10 @@ class ConfigError(errors.UserError):
   """An invalid configuration; the message is one line naming the keys."""
 
 
+#: What parsing a `--config` command line raises for a user's mistake.
+PARSE_ERRORS = (flags.Error, AttributeError, KeyError, OSError, ConfigError)
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """Parses a `get_config` argument `"k1=v1,k2=v2"` against typed defaults.
 
@@ -130,12 +134,8 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       remaining = flags.FLAGS(argv)
       flags.FLAGS['config'].value.keys()  # A failed file load raises here.
       return remaining
-    except flags.Error as e:
-      _fail(_config_file_error(e) or str(e))
-    except (AttributeError, KeyError) as e:
-      _fail(unknown_override(argv) or f'bad config override: {e}')
-    except (OSError, ConfigError) as e:
-      _fail(f'could not load the config: {_root_cause(e)}')
+    except PARSE_ERRORS as e:
+      _fail(parse_message(e, argv))
 
   def guarded(argv):
     try:
@@ -146,6 +146,16 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       _fail(user_message(e))
 
   app.run(guarded, flags_parser=parse)
+
+
+def parse_message(e: BaseException, argv: Sequence[str]) -> str:
+  """The one line for an error (one of `PARSE_ERRORS`) of parsing the config
+  command line `argv`, as `run` prints it after `error:`."""
+  if isinstance(e, flags.Error):
+    return _config_file_error(e) or str(e)
+  if isinstance(e, (AttributeError, KeyError)):
+    return _unknown_override(argv) or f'bad config override: {e}'
+  return f'could not load the config: {_root_cause(e)}'
 
 
 def user_message(e: BaseException) -> str:
@@ -183,7 +193,7 @@ def _root_cause(e: BaseException) -> str:
   return f'{type(e).__name__}: {e}'
 
 
-def unknown_override(argv: Sequence[str]) -> str | None:
+def _unknown_override(argv: Sequence[str]) -> str | None:
   """Names the first `--config.x.y` override whose key the config lacks."""
   spec = _config_spec(argv)
   overrides = [item[len('--config.'):].split('=', 1)[0]
