@@ -390,7 +390,9 @@ def main():
               '--config.rollout.max_prefill_length=128',
               '--config.rollout.max_target_length=256',
               '--config.rollout.max_sequence_length=256',
-              f'--config.rollout.max_new_tokens={args.max_tokens}'))
+              f'--config.rollout.max_new_tokens={args.max_tokens}',
+              '--config.rollout.weight_reuse_host_buffers='
+              f'{not args.fresh_host_buffers}'))
       try:
         summary = asyncio.run(run_case(args, name, state, served_dtype,
                                        server, workdir, prompts, sink_ports,

@@ -327,12 +327,13 @@ def get_config(arg=None):
   # for) takes longer (BENCHMARKS.md, "Weight sync"). False: copy, then
   # send during the next step.
   c.rollout.weight_send_while_copying = False
-  # True: each version is copied into the host pages of one no longer held,
-  # instead of fresh ones (faulting fresh pages in is most of the learner's
-  # wait for a push on a few cores: "Reused host pages"). The cost
-  # is one more host copy of the weights kept between pushes: on a TPU host
-  # that is host RAM beside the HBM the step uses; on CPU (the demo) it
-  # raises the learner's peak, which the training step sets.
+  # True: on both ends of a push each version goes into the host pages of
+  # one no longer held, instead of fresh ones (faulting fresh pages in is
+  # most of the learner's wait for a push on a few cores, and a large part
+  # of a server's receive: "Reused host pages"). The cost is one more copy of
+  # the weights kept between pushes on each side: on a TPU host that is
+  # host RAM beside the HBM; on CPU (the demo) it raises the learner's
+  # peak, which the training step sets, and each server's resident set.
   c.rollout.weight_reuse_host_buffers = False
   # 'sparse': a server that acknowledged the last version gets only the
   # elements whose bits (in its dtype) changed since, as indices and values,

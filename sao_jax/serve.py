@@ -89,7 +89,8 @@ def main(argv: Sequence[str]) -> None:
         engine, port=_PORT.value, secret=secret,
         host=_HOST.value or config.rollout.bind_host,
         weights_root=weights_root,
-        data_port=config.rollout.weight_data_port)
+        data_port=config.rollout.weight_data_port,
+        reuse_host_buffers=config.rollout.weight_reuse_host_buffers)
   except server_lib.PortInUseError as e:
     raise config_lib.ConfigError(str(e)) from e
   stop = threading.Event()

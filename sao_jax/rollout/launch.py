@@ -274,7 +274,8 @@ def start_in_process(config, *, secret: str, devices=None,
       server_index=server_index, restart=restart)
   return InProcessServer(server_lib.RolloutServer(
       engine, port=0, secret=secret, host='127.0.0.1',
-      weights_root=weights_root))
+      weights_root=weights_root,
+      reuse_host_buffers=config.rollout.weight_reuse_host_buffers))
 
 
 @contextlib.contextmanager

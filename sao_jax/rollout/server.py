@@ -31,9 +31,11 @@ import time
 from concurrent import futures
 
 import grpc
+import jax
 
 from sao_jax import process_memory
 from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import host_buffers
 from sao_jax.rollout import jetstream_compat
 from sao_jax.rollout import weight_socket
 from sao_jax.rollout import weight_staging
@@ -89,7 +91,7 @@ class RolloutServer:
   def __init__(self, engine: engine_lib.Engine, *, port: int,
                secret: str, host: str = '127.0.0.1',
                threads: int | None = None, weights_root: str | None = None,
-               data_port: int = 0):
+               data_port: int = 0, reuse_host_buffers: bool = False):
     """Starts serving on `host:port` (0: a free port, see `self.port`).
 
     Args:
@@ -102,6 +104,12 @@ class RolloutServer:
         None refuses every `UpdateWeights`.
       data_port: the port streamed pushes send their bytes to, on `host`
         (0: a free one; `self.data_port`).
+      reuse_host_buffers: receive a streamed version into the host pages of
+        one before it (`host_buffers.Pool`) instead of fresh ones, which
+        must be faulted in. Costs one more copy of the weights resident
+        between pushes: on a CPU server a version's pages are its device
+        arrays, so the spare is the previous version's; on an accelerator,
+        a host copy.
     """
     self.engine = engine
     self._secret = secret
@@ -114,6 +122,9 @@ class RolloutServer:
     # (the base a delta push must name; none after a checkpoint load).
     self._state_ids: dict[int, str] = {}
     self._push_counts = {'pushes_committed': 0, 'pushes_failed': 0}
+    self.staging_pages = (host_buffers.Pool(max_bytes=sum(
+        a.size * a.dtype.itemsize for a in jax.tree.leaves(
+            engine.abstract_state()))) if reuse_host_buffers else None)
     try:
       self._data = weight_socket.Listener(host, data_port)
     except OSError as e:
@@ -242,6 +253,8 @@ class RolloutServer:
         self._state_ids = {part: i for part, i in staging.state_ids.items()
                            if i is not None}
         del state
+        if self.staging_pages is not None:
+          host_buffers.settle()  # the last version's pages, to the pool
         self._finish(arriving, committed=True)
         process_memory.return_free_pages()
         seconds = time.perf_counter() - start
@@ -305,7 +318,8 @@ class RolloutServer:
           weight_staging.Staging(self.engine.abstract_state(), version,
                                 header['parts'],
                                 served=self.engine.weights.get()[0],
-                                served_ids=self._state_ids),
+                                served_ids=self._state_ids,
+                                pool=self.staging_pages),
           asyncio.Event())
     return self._arriving
 

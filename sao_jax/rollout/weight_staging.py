@@ -69,7 +69,7 @@ class _Part:
   """
 
   def __init__(self, header: dict, leaves: dict[str, _Leaf],
-               lock: threading.Lock, finished):
+               lock: threading.Lock, finished, empty):
     self.total = header['total_bytes']
     self.bucket_bytes = header['bucket_bytes']
     self.checksum = checksums.CHECKSUMS[header['checksum']]
@@ -109,6 +109,7 @@ class _Part:
     self._starts = np.cumsum([0] + [p.nbytes for p in self.pieces])
     self._lock = lock  # the staging's: leaves are shared by all parts
     self._finished = finished
+    self._empty = empty  # makes a leaf's host buffer
     self._allocator = futures.ThreadPoolExecutor(
         1, thread_name_prefix='weight-staging-pages')
     self._lookahead = 4 * self.bucket_bytes
@@ -134,7 +135,7 @@ class _Part:
       with self._lock:
         if piece.leaf.allocation is None:
           piece.leaf.allocation = self._allocator.submit(
-              host_buffers.aligned_empty, piece.leaf.shape, piece.wire)
+              self._empty, piece.leaf.shape, piece.wire)
       self._ahead += 1
 
   def _host(self, piece: _Incoming) -> np.ndarray:
@@ -232,7 +233,8 @@ class Staging:
   """
 
   def __init__(self, abstract_state, version: int, parts: int, *,
-               served=None, served_ids: dict[int, str] | None = None):
+               served=None, served_ids: dict[int, str] | None = None,
+               pool: host_buffers.Pool | None = None):
     """Sets up the staging.
 
     Args:
@@ -243,6 +245,7 @@ class Staging:
       served_ids: per learner part, the id of the state it left (the
         `state_id` of the push that made `served`); a part's sparse pieces
         are taken only where its manifest's `base_id` names it.
+      pool: where the leaves' host buffers come from (None: fresh pages).
     """
     self.version = version
     self.parts = parts
@@ -255,6 +258,8 @@ class Staging:
         if path in self._leaves:
           self._leaves[path].base = x
     self._served_ids = dict(served_ids or {})
+    self._empty = (host_buffers.aligned_empty if pool is None
+                   else pool.empty)
     self.state_ids: dict[int, str | None] = {}  # what each part leaves
     self._streams: dict[int, _Part] = {}
     self._lock = threading.Lock()
@@ -282,7 +287,8 @@ class Staging:
                           f' {held!r} (it restarted, missed a version or'
                           ' loaded a checkpoint): the next push sends it'
                           ' whole')
-    stream = _Part(header, self._leaves, self._lock, self._to_device)
+    stream = _Part(header, self._leaves, self._lock, self._to_device,
+                   self._empty)
     self._streams[part] = stream
     self.state_ids[part] = header['state_id']
     return stream
@@ -370,7 +376,14 @@ class Staging:
     return [p for p, l in self._leaves.items() if l.device is None]
 
   def state(self):
-    """The new nnx State (only when `complete`)."""
+    """The new nnx State (only when `complete`), handed over: the staging
+    keeps none of its arrays, nor the served base.
+
+    Each `_Part` points back at its staging, so whatever a staging holds
+    lives until Python's cycle collector runs: the previous version (the
+    base) would stay resident after the swap, and the pages of a version
+    no longer served would not return to the server's pool.
+    """
     if not self.complete:
       raise StreamError(f'version {self.version} is incomplete:'
                         f' {len(self.missing())} parameters missing')
@@ -380,4 +393,8 @@ class Staging:
         lambda path, _: by_path[weight_stream.leaf_name(path)], pure)
     state = jax.tree.map(lambda x: x, self._abstract)  # a structural copy
     nnx.replace_by_pure_dict(state, filled)
+    # Every part ended (`complete`), so no reader still writes a leaf.
+    for leaf in self._leaves.values():
+      leaf.device = leaf.base = leaf.allocation = None
+    self._streams.clear()
     return state

@@ -4,9 +4,11 @@ import gc
 
 import jax
 import numpy as np
+from flax import nnx
 
 from sao_jax import config_lib
 from sao_jax.rollout import host_buffers
+from sao_jax.rollout import weight_staging
 from sao_jax.rollout import weight_stream
 from sao_jax.rollout import weight_sync
 
@@ -88,3 +90,42 @@ def test_stream_transport_reuses_host_buffers_only_when_configured():
       gc.collect()
     if reuse:
       assert transport.pool.reused == 2
+
+
+def test_a_server_staging_through_a_pool_never_writes_over_what_it_serves():
+  # A CPU device adopts a staged leaf's pages (may_alias), so the pages a
+  # pool hands out again must be those of a version no longer served.
+  shapes = {'w': (512, 1024), 'b': (7,)}  # 2 MiB: pooled; 28 B: heap
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = nnx.State({k: jax.ShapeDtypeStruct(s, np.float32,
+                                                sharding=device)
+                         for k, s in shapes.items()})
+  pool = host_buffers.Pool(max_bytes=4 * _MIB)
+  gc.collect()
+  gc.disable()  # what is freed is freed by reference counting
+  try:
+    served = {}  # version -> state, as a server holds them around a swap
+    for version in range(5):
+      state = {k: np.full(s, version, np.float32) for k, s in shapes.items()}
+      pieces = weight_stream.HostCopy(state, '').pieces()
+      header = weight_stream.parse_manifest(weight_stream.manifest(
+          pieces, version=version, bucket_bytes=_MIB))
+      staging = weight_staging.Staging(abstract, version, 1, pool=pool)
+      stream = staging.begin(header)
+      for message in weight_stream.buckets(pieces, _MIB):
+        staging.bucket(stream, message)
+      staging.end(stream, 0)
+      served[version] = staging.state()
+      del staging, stream
+      # Both versions held are intact; then the older one is dropped.
+      for held, held_state in served.items():
+        for value in jax.tree.leaves(held_state):
+          np.testing.assert_array_equal(np.asarray(value), held)
+      # The swap. No gc.collect(): a staging must not keep a version it
+      # handed over alive until the cycle collector runs.
+      served.pop(version - 1, None)
+      host_buffers.settle()
+  finally:
+    gc.enable()
+  # From version 2 on, each went into the pages of the one two before.
+  assert pool.reused == 3
