@@ -1,7 +1,7 @@
 r"""Stress test of one rollout server: bursty load, cancellations, liveness.
 
   python benchmarks/server_stress.py                   # 20 minutes (issue 13)
-  python benchmarks/server_stress.py --quick           # 20 seconds (CI)
+  python benchmarks/server_stress.py --quick           # 10 seconds (CI)
   python benchmarks/server_stress.py --duration_s=300  # any length
 
 Starts one real rollout server (`python -m sao_jax.serve` with configs/tiny.py:
@@ -205,7 +205,7 @@ async def stress(server, secret, args, limits, stop_ids):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--quick', action='store_true',
-                      help='a 20 s run (CI)')
+                      help='a 10 s run (CI)')
   parser.add_argument('--duration_s', type=float, default=1200.0)
   parser.add_argument('--config', default=os.path.join(ROOT, 'configs',
                                                        'tiny.py'))
@@ -223,7 +223,7 @@ def main():
   parser.add_argument('--out', default='benchmarks/results/server_stress.json')
   args = parser.parse_args()
   if args.quick:
-    args.duration_s = 20.0
+    args.duration_s = 10.0
   workdir = tempfile.mkdtemp(prefix='sao_server_stress_')
   # The trainer's way: the exact config in a file the server loads.
   config = config_lib.load_config(args.config)

@@ -42,11 +42,13 @@ def test_kernels_benchmark_quick(tmp_path):
 def test_learner_benchmark_quick(tmp_path):
   out = tmp_path / 'learner.json'
   proc = _script('benchmarks/learner.py', '--quick', f'--out={out}',
-                 '--layer-loops', 'scan', 'unroll', '--critic-steps', '2',
+                 '--layer-loops', 'unroll', '--critic-steps', '2',
                  '--parts', 'step', 'critic')
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
-  parts = {f'{p}{s}' for p in ('step_k2', 'critic') for s in ('', '_unroll')}
+  # One set of contenders (a second layer loop would compile both parts
+  # again; its names would carry the loop as a suffix).
+  parts = {'step_k2', 'critic'}
   assert set(result['median_seconds']) == parts
   assert result['batch']['tokens'] == 4 * (16 + 48)
   for name in parts:
@@ -54,7 +56,7 @@ def test_learner_benchmark_quick(tmp_path):
     assert result['tokens_per_s'][name] > 0
     assert result['compiled_memory_bytes'][name]['argument'] > 0
     assert result['compile_s'][name] > 0
-  assert '| step_k2_unroll |' in proc.stdout
+  assert '| critic |' in proc.stdout
 
 
 @pytest.mark.slow

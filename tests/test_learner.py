@@ -510,9 +510,9 @@ def test_a_train_step_compiled_ahead_is_not_compiled_again():
   assert np.isfinite(np.asarray(m['policy/loss']))
 
 
+# PPO's three old-policy modes; GRPO recomputes as PPO's first does.
 @pytest.mark.parametrize('algorithm,old_logprobs', [
-    ('grpo', 'recompute'), ('ppo', 'recompute'), ('ppo', 'decoupled'),
-    ('ppo', 'behavior')])
+    ('ppo', 'recompute'), ('ppo', 'decoupled'), ('ppo', 'behavior')])
 def test_top_p_sampling_trains_every_old_policy_mode(algorithm, old_logprobs):
   # Under top_p = 0.5 most of the fake batch's random tokens lie outside the
   # tiny model's nucleus: log-prob -inf under the learner. Before they left

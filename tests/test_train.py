@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+from sao_jax import config_lib
 from sao_jax import xla_flags
 from sao_jax.logs import metrics_log
+from sao_jax.rollout import system as rollout_system
 import processes  # tests/processes.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,28 +98,20 @@ def test_a_tiny_moe_learns_with_routing_replay(tmp_path):
   assert fresh and max(fresh) < 1e-4, fresh
 
 
-@pytest.mark.slow
-def test_the_file_transport_still_trains(tmp_path):
-  proc = run_train(tmp_path, '--config.rollout.weight_transport=files',
-                   '--config.total_steps=3', '--config.eval.at_start=False',
-                   '--config.critic.pretrain_steps=0')
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  records = metrics_log.read_jsonl(tmp_path / 'metrics.jsonl', dedupe=True)
-  pushed = [r for r in records if 'time/weight_push_seconds' in r]
-  assert [r['rollout/servers_updated'] for r in pushed] == [1.0] * 3
-  assert os.listdir(tmp_path / 'weights') == ['v3']  # older ones retired
+def test_an_unknown_weight_transport_names_the_known_ones():
+  # In process, what the trainer checks before the model loads; it prints
+  # the ConfigError as one line (tests/test_entry_point_errors.py).
+  config = config_lib.load_config(os.path.join(ROOT, 'configs', 'tiny.py'))
+  config.rollout.weight_transport = 'stream2'
+  with pytest.raises(config_lib.ConfigError) as error:
+    rollout_system.check_inputs(config)
+  assert "weight_transport='stream2' is not one of stream, files" in str(
+      error.value)
+  assert "did you mean 'stream'?" in str(error.value)
 
 
-def test_an_unknown_weight_transport_names_the_known_ones(tmp_path):
-  proc = run_train(tmp_path, '--config.rollout.weight_transport=stream2')
-  assert proc.returncode != 0
-  assert "weight_transport='stream2' is not one of stream, files" in (
-      proc.stderr)
-  assert "did you mean 'stream'?" in proc.stderr
-
-
-SYNC = ('--config.rollout.max_staleness=0', '--config.total_steps=12',
-        '--config.checkpoint.every=4', '--config.eval.at_start=False',
+SYNC = ('--config.rollout.max_staleness=0', '--config.total_steps=8',
+        '--config.checkpoint.every=3', '--config.eval.at_start=False',
         '--config.critic.pretrain_steps=0')
 
 
@@ -130,11 +124,19 @@ def task_sums(workdir):
 
 @pytest.mark.slow
 def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
-  # Reference: the same synchronous run, uninterrupted.
-  reference = run_train(tmp_path / 'reference', *SYNC)
+  # Reference: the same synchronous run, uninterrupted, its weights sent to
+  # the server through files (the other transport: it trains the same
+  # prompts, each version pushed, older files retired).
+  reference = run_train(tmp_path / 'reference', *SYNC,
+                        '--config.rollout.weight_transport=files')
   assert reference.returncode == 0, reference.stderr[-4000:]
+  pushed = [r for r in metrics_log.read_jsonl(
+      tmp_path / 'reference' / 'metrics.jsonl', dedupe=True)
+            if 'time/weight_push_seconds' in r]
+  assert [r['rollout/servers_updated'] for r in pushed] == [1.0] * 8
+  assert os.listdir(tmp_path / 'reference' / 'weights') == ['v8']
   # Killed run: SIGKILL (no chance to save) of the trainer alone (not its
-  # process group) after step 6, between the checkpoints of steps 4 and 8.
+  # process group) after step 4, between the checkpoints of steps 3 and 6.
   workdir = tmp_path / 'killed'
   process = subprocess.Popen(
       train_command(workdir, *SYNC), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -143,7 +145,7 @@ def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
   log = workdir / 'metrics.jsonl'
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline:
-    if log.exists() and 6 in task_sums(workdir):
+    if log.exists() and 4 in task_sums(workdir):
       break
     assert process.poll() is None, 'the run ended before it was killed'
     time.sleep(0.2)
@@ -157,16 +159,16 @@ def test_sigkill_between_checkpoints_resumes_exactly(tmp_path):
       'servers still running after their trainer was SIGKILLed')
   checkpoints = sorted(int(d) for d in os.listdir(workdir / 'checkpoints')
                        if d.isdigit())
-  assert checkpoints[-1] == 4
+  assert checkpoints[-1] == 3
   resumed = run_train(workdir, *SYNC)
   assert resumed.returncode == 0, resumed.stderr[-4000:]
   # Same final step, and every step trained on the same prompts as the
   # uninterrupted run: the data cursor continued from the checkpoint.
   assert task_sums(workdir) == task_sums(tmp_path / 'reference')
-  assert sorted(task_sums(workdir)) == list(range(1, 13))
+  assert sorted(task_sums(workdir)) == list(range(1, 9))
   records = metrics_log.read_jsonl(log)
   resumed_at = [r['step'] for r in records if r.get('resumed')]
-  assert resumed_at and resumed_at[0] == 5
+  assert resumed_at and resumed_at[0] == 4
 
 
 @pytest.mark.slow
