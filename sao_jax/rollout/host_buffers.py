@@ -110,6 +110,12 @@ class Pool:
     # Otherwise the mapping goes with its last reference.
 
 
+def empty_from(pool: Pool | None):
+  """The `empty(shape, dtype)` that makes host buffers: `pool`'s, which reuses
+  returned ones, or fresh `aligned_empty` ones when there is no pool."""
+  return aligned_empty if pool is None else pool.empty
+
+
 def settle() -> None:
   """Lets jaxlib drop the host buffers of device arrays already deleted.
 

@@ -258,8 +258,7 @@ class Staging:
         if path in self._leaves:
           self._leaves[path].base = x
     self._served_ids = dict(served_ids or {})
-    self._empty = (host_buffers.aligned_empty if pool is None
-                   else pool.empty)
+    self._empty = host_buffers.empty_from(pool)
     self.state_ids: dict[int, str | None] = {}  # what each part leaves
     self._streams: dict[int, _Part] = {}
     self._lock = threading.Lock()

@@ -159,8 +159,7 @@ class HostCopy:
     their sparse forms against the last version. `pool`: where the host
     buffers come from (those of versions no longer held), else fresh."""
     state = pure_state(state)
-    self._empty = (host_buffers.aligned_empty if pool is None
-                   else pool.empty)
+    self._empty = host_buffers.empty_from(pool)
     self._encoder = encoder
     self._deltas: list[Piece] = []
     # The base a delta of this version applies to, and this version's id.
